@@ -1,0 +1,41 @@
+"""Engine configuration and the byte-size parser used for the KV cache budget."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 1 << 10, "m": 1e6, "mb": 1e6, "mib": 1 << 20,
+          "g": 1e9, "gb": 1e9, "gib": 1 << 30, "t": 1e12, "tb": 1e12, "tib": 1 << 40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000, 1024 -> 1024."""
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory={value!r} must be positive")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"kv_cache_memory={value!r} is not a size; write e.g. '2GiB', '512MiB' or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    max_model_len: int
+    kv_cache_bytes: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+
+def default_kv_cache_bytes(free_bytes: int) -> int:
+    """A quarter of free memory, at most 4 GiB: room for the model, activations and the rest of the machine."""
+    return max(min(free_bytes // 4, 4 << 30), 64 << 20)

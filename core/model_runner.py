@@ -1,0 +1,132 @@
+"""ModelRunner: turns a scheduled batch into one flat forward and returns the logits that will be used.
+
+The flat batch holds every scheduled token back to back (prefill chunks and decodes mixed); the attention
+backend plans once per step from query start offsets, context lengths, block tables and slot mapping. Block
+tables live in a persistent buffer with one row per running request, so a step writes only the blocks that are
+new since the last step. Logits are computed only at positions that are sampled or asked for prompt logprobs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from resin.core.request import Request
+from resin.core.scheduler import ScheduledBatch
+from resin.hal import ATTENTION, AttentionLayer, AttentionMetadata, ForwardContext
+
+
+class CausalLM(Protocol):
+    attention_layers: list[AttentionLayer]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+def kv_bytes_per_block(layers: list[AttentionLayer], block_size: int, dtype: torch.dtype) -> int:
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    return sum(2 * block_size * layer.num_kv_heads * layer.head_size * itemsize for layer in layers)
+
+
+class BlockTableBuffer:
+    """(max_num_seqs, max_blocks) int32 table; a row per running request, appended to as its blocks grow."""
+
+    def __init__(self, max_rows: int, max_blocks: int):
+        self.table = torch.zeros(max_rows, max_blocks, dtype=torch.int32)
+        self._row: dict[str, int] = {}
+        self._written: list[int] = [0] * max_rows
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+
+    def row_of(self, req: Request) -> int:
+        row = self._row.get(req.request_id)
+        if row is None:
+            row = self._row[req.request_id] = self._free_rows.pop()
+            self._written[row] = 0
+        n = len(req.block_ids)
+        if n > self._written[row]:
+            start = self._written[row]
+            self.table[row, start:n] = torch.tensor(req.block_ids[start:], dtype=torch.int32)
+            self._written[row] = n
+        return row
+
+    def release(self, req: Request) -> None:
+        row = self._row.pop(req.request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+
+
+@dataclass
+class RunnerOutput:
+    sample_requests: list[Request]
+    sample_logits: torch.Tensor  # (len(sample_requests), vocab)
+    # (request, first prompt position, logits predicting the prompt tokens after each position)
+    prompt_chunks: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int,
+                 max_model_len: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        layers = model.attention_layers
+        self.attn = ATTENTION(layers, block_size, dtype, device)
+        self.kv_caches = [torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_size,
+                                      dtype=dtype, device=device) for layer in layers]
+        self.block_tables = BlockTableBuffer(max_num_seqs, -(-max_model_len // block_size))
+        self.ctx = ForwardContext(self.attn, self.kv_caches)
+
+    def release(self, req: Request) -> None:
+        self.block_tables.release(req)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        reqs, counts = batch.requests, batch.num_new_tokens
+        starts = [r.num_computed_tokens for r in reqs]
+        flat: list[int] = []
+        for r, s, n in zip(reqs, starts, counts):
+            flat.extend(r.token_ids[s:s + n])
+        num_tokens = len(flat)
+        counts_t = torch.tensor(counts)
+        qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+        torch.cumsum(counts_t, 0, out=qsl[1:])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(reqs)), counts_t, output_size=num_tokens)
+        positions = torch.tensor(starts)[seq_of_token] + torch.arange(num_tokens) - qsl[:-1][seq_of_token]
+        rows = torch.tensor([self.block_tables.row_of(r) for r in reqs])
+        seq_lens = [s + n for s, n in zip(starts, counts)]
+        max_seq_len = max(seq_lens)
+        block_tables = self.block_tables.table[rows, :-(-max_seq_len // self.block_size)]
+        slots = block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
+        slots += positions % self.block_size
+
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=qsl.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
+            block_tables=block_tables.to(dev), slot_mapping=slots.to(dev),
+            max_query_len=max(counts), max_seq_len=max_seq_len)
+        self.attn.plan(meta)
+        hidden = self.model.forward(torch.tensor(flat).to(dev), positions.to(dev), self.ctx)
+
+        sample_reqs, indices = [], []
+        prompt_spans: list[tuple[Request, int, int]] = []
+        q0 = qsl.tolist()
+        for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
+            if r.wants_prompt_logprobs:
+                end = min(s + n, r.num_prompt_tokens - 1)
+                if end > s:
+                    prompt_spans.append((r, s, end - s))
+                    indices.extend(range(q0[i], q0[i] + end - s))
+        num_prompt_rows = len(indices)
+        for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
+            if s + n == r.num_tokens:
+                sample_reqs.append(r)
+                indices.append(q0[i + 1] - 1)
+        logits = self.model.compute_logits(hidden[torch.tensor(indices, device=dev)]) if indices else None
+        out = RunnerOutput(sample_reqs, logits[num_prompt_rows:] if logits is not None else None)
+        offset = 0
+        for r, s, n in prompt_spans:
+            out.prompt_chunks.append((r, s, logits[offset:offset + n]))
+            offset += n
+        return out

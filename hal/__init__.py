@@ -1,0 +1,18 @@
+"""The hardware abstraction layer: op declarations with native implementations, providers, Platform facts,
+backend selection and the attention-backend contract. Models call these ops; backends implement them."""
+from resin.hal.attention import (ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext,
+                                 NativeAttention,
+                                 write_kv)
+from resin.hal.ops import (EMBEDDING, FUSED_ADD_RMS_NORM, GELU_AND_MUL, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL)
+from resin.hal.platform import Platform, detect_kind
+from resin.hal.registry import Op, OpChoice, Provider, SelectionError, all_ops
+from resin.hal.rotary import rope_cos_sin_cache
+from resin.hal.selection import BACKENDS, BackendSpec, Selection, describe_backend, select_backend
+
+__all__ = [
+    "ATTENTION", "AttentionBackend", "AttentionLayer", "AttentionMetadata", "ForwardContext", "NativeAttention",
+    "write_kv",
+    "EMBEDDING", "FUSED_ADD_RMS_NORM", "GELU_AND_MUL", "LINEAR", "RMS_NORM", "ROTARY", "SILU_AND_MUL",
+    "Platform", "detect_kind", "Op", "OpChoice", "Provider", "SelectionError", "all_ops", "rope_cos_sin_cache",
+    "BACKENDS", "BackendSpec", "Selection", "describe_backend", "select_backend",
+]

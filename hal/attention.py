@@ -1,0 +1,159 @@
+"""The attention-backend contract and its native implementation.
+
+Attention backends are stateful: `plan(metadata)` runs once per step and builds whatever the kernels need from the
+flat batch (query start offsets, context lengths, block tables, slot mapping); `forward(...)` runs once per layer.
+Graph capture is designed in through `capture_state` / `plan_for_replay`. A backend that cannot serve a
+configuration says why in `unsupported_reason`, so selection errors explain themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from resin.hal.registry import Op
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """Static facts of one attention layer."""
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None  # a query at position p sees keys p - window < j <= p
+    logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap)
+    has_sinks: bool = False  # a learned per-head logit that joins the softmax denominator
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flat batch: B sequences, T tokens; sequence b owns tokens query_start_loc[b]:[b+1]."""
+    query_start_loc: torch.Tensor  # (B+1,) int32
+    seq_lens: torch.Tensor  # (B,) int32: context length after this step (cached + new tokens)
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot (block * block_size + offset) of each new token
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class AttentionBackend:
+    """Base of every attention provider. KV cache per layer: (2, num_blocks, block_size, num_kv_heads, head_size)."""
+
+    supports_graphs = False
+
+    def __init__(self, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype, device: torch.device):
+        self.layers = layers
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+
+    @classmethod
+    def unsupported_reason(cls, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
+                           device: torch.device) -> str | None:
+        return None
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        raise NotImplementedError
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    # Graph hooks: allocate state for batches up to max_batch, then re-plan into it before each replay.
+    def capture_state(self, max_batch: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
+
+    def plan_for_replay(self, batch_size: int, meta: AttentionMetadata) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new keys/values at their slots: the cache is viewed as (num_slots, kv_heads, head_size)."""
+    _, nb, bs, hk, d = kv_cache.shape
+    kv_cache[0].view(nb * bs, hk, d).index_copy_(0, slot_mapping, k.view(-1, hk, d).to(kv_cache.dtype))
+    kv_cache[1].view(nb * bs, hk, d).index_copy_(0, slot_mapping, v.view(-1, hk, d).to(kv_cache.dtype))
+
+
+class NativeAttention(AttentionBackend):
+    """Reference paged attention over a mixed prefill-chunk + decode batch, written as plain tensor math.
+
+    Queries are scattered into a padded (B, max_q) grid, each sequence's keys gathered through its block table
+    into (B, max_kv); one masked softmax (valid keys, causality, window) serves every sequence at once.
+    """
+
+    def plan(self, meta: AttentionMetadata) -> None:
+        qsl = meta.query_start_loc.long()
+        q_lens = qsl[1:] - qsl[:-1]
+        num_tokens = int(meta.slot_mapping.shape[0])
+        seq_of_token = torch.repeat_interleave(torch.arange(meta.num_seqs, device=qsl.device), q_lens,
+                                               output_size=num_tokens)
+        idx_in_seq = torch.arange(num_tokens, device=qsl.device) - qsl[seq_of_token]
+        max_q, max_kv = meta.max_query_len, meta.max_seq_len
+        self.slot_mapping = meta.slot_mapping
+        self.token_index = seq_of_token * max_q + idx_in_seq  # flat position in the padded query grid
+        self.num_seqs, self.max_q, self.max_kv = meta.num_seqs, max_q, max_kv
+        nblk = -(-max_kv // self.block_size)
+        offsets = torch.arange(self.block_size, device=qsl.device)
+        slots = meta.block_tables[:, :nblk].long().unsqueeze(-1) * self.block_size + offsets
+        self.kv_slots = slots.flatten(1)[:, :max_kv]  # (B, max_kv)
+        seq_lens = meta.seq_lens.long()
+        key_pos = torch.arange(max_kv, device=qsl.device)
+        q_pos = (seq_lens - q_lens).unsqueeze(1) + torch.arange(max_q, device=qsl.device)  # (B, max_q)
+        self.q_pos, self.key_pos = q_pos, key_pos
+        self.valid = key_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)  # causal (implies key < seq_len)
+        self._windows: dict[int, torch.Tensor] = {}
+
+    def _mask(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.valid
+        if window not in self._windows:
+            recent = self.key_pos.view(1, 1, -1) > self.q_pos.unsqueeze(-1) - window
+            self._windows[window] = self.valid & recent
+        return self._windows[window]
+
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        layer = self.layers[layer_idx]
+        h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+        write_kv(kv_cache, k, v, self.slot_mapping)
+        b, mq, mkv = self.num_seqs, self.max_q, self.max_kv
+        qpad = q.new_zeros(b * mq, h, d)
+        qpad[self.token_index] = q.view(-1, h, d)
+        qpad = qpad.view(b, mq, hk, h // hk, d).permute(0, 2, 3, 1, 4).float()  # (B, Hk, G, mq, D)
+        _, nb, bs, _, _ = kv_cache.shape
+        keys = kv_cache[0].view(nb * bs, hk, d)[self.kv_slots].permute(0, 2, 1, 3).float()  # (B, Hk, mkv, D)
+        values = kv_cache[1].view(nb * bs, hk, d)[self.kv_slots].permute(0, 2, 1, 3).float()
+        scores = torch.matmul(qpad, keys.unsqueeze(2).transpose(-1, -2)) * layer.scale  # (B, Hk, G, mq, mkv)
+        if layer.logits_soft_cap:
+            scores = layer.logits_soft_cap * torch.tanh(scores / layer.logits_soft_cap)
+        mask = self._mask(layer.sliding_window).view(b, 1, 1, mq, mkv)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().view(1, hk, h // hk, 1, 1).expand(b, hk, h // hk, mq, 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :mkv]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values.unsqueeze(2))  # (B, Hk, G, mq, D)
+        out = out.permute(0, 3, 1, 2, 4).reshape(b * mq, h, d)[self.token_index]
+        return out.to(q.dtype).reshape(-1, h * d)
+
+
+
+ATTENTION = Op("attention", NativeAttention,
+               doc="Paged attention backend factory: ATTENTION(layers, block_size, dtype, device) -> backend.")
+
+
+@dataclass
+class ForwardContext:
+    """What a model's attention layers need during one forward: the planned backend and the per-layer caches."""
+    backend: AttentionBackend
+    kv_caches: list[torch.Tensor]
+
+    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self.backend.forward(layer_idx, q, k, v, self.kv_caches[layer_idx], sinks)

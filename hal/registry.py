@@ -1,0 +1,149 @@
+"""Ops, providers and the selection table.
+
+An op is declared once with its native (plain PyTorch) implementation, which defines what is correct. Backends
+register further providers on it, each with a static `supported(platform)` check and an optional per-call
+`supports_args(...)` check. At startup a backend's priority list for each op is filtered by `supported` into a
+chain that always ends in `native`; calls walk the chain to the first provider that accepts the arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from resin.hal.platform import Platform
+
+# Returns (ok, reason). The reason explains a refusal ("aiter not importable", "gfx90a: no fp8").
+SupportedFn = Callable[[Platform], "tuple[bool, str]"]
+# Returns None when the call is accepted, else why not (head size, dtype, ...).
+SupportsArgsFn = Callable[..., "str | None"]
+
+
+def always(_: Platform) -> tuple[bool, str]:
+    return True, ""
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    fn: Callable[..., Any]
+    supported: SupportedFn = always
+    supports_args: SupportsArgsFn | None = None
+
+
+class Op:
+    """A HAL op. Calling it runs the active backend's chain of providers for this op."""
+
+    def __init__(self, name: str, native: Callable[..., Any], doc: str = ""):
+        self.name = name
+        self.native = native
+        self.__doc__ = doc or native.__doc__
+        self.providers: dict[str, Provider] = {"native": Provider("native", native)}
+        _OPS[name] = self
+
+    def register(self, name: str, supported: SupportedFn = always,
+                 supports_args: SupportsArgsFn | None = None) -> Callable[[Callable], Callable]:
+        """Decorator used by backends: `@RMS_NORM.register("triton", supported=..., supports_args=...)`."""
+        if name == "native":
+            raise ValueError("'native' is the op's own definition and cannot be replaced")
+
+        def deco(fn: Callable) -> Callable:
+            self.providers[name] = Provider(name, fn, supported, supports_args)
+            return fn
+        return deco
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        chain = _ACTIVE.get(self.name)
+        if chain is None:
+            return self.native(*args, **kwargs)
+        for provider in chain:
+            if provider.supports_args is None or provider.supports_args(*args, **kwargs) is None:
+                return provider.fn(*args, **kwargs)
+        raise AssertionError(f"op {self.name}: chain without native")  # native accepts everything
+
+    def __repr__(self) -> str:
+        return f"Op({self.name}, providers={list(self.providers)})"
+
+
+_OPS: dict[str, Op] = {}
+# The only global mutable state: the provider chain of every op for the selected backend.
+_ACTIVE: dict[str, tuple[Provider, ...]] = {}
+
+
+def all_ops() -> dict[str, Op]:
+    return dict(_OPS)
+
+
+@dataclass
+class OpChoice:
+    """How one op was resolved: the chain in call order and why earlier providers were skipped."""
+    op: str
+    chain: list[Provider]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    overridden: bool = False
+
+    @property
+    def chosen(self) -> str:
+        return self.chain[0].name
+
+
+class SelectionError(ValueError):
+    pass
+
+
+def parse_overrides(text: str | None) -> dict[str, str]:
+    """'attention=native,rms_norm=triton' -> {'attention': 'native', 'rms_norm': 'triton'}."""
+    out: dict[str, str] = {}
+    for item in (text or "").replace(";", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise SelectionError(f"op override {item!r} is not OP=PROVIDER (e.g. --ops attention=native)")
+        op, provider = (s.strip() for s in item.split("=", 1))
+        out[op] = provider
+    return out
+
+
+def resolve(priorities: dict[str, list[str]], platform: Platform,
+            overrides: dict[str, str] | None = None) -> dict[str, OpChoice]:
+    """Filter each op's priority list by `supported(platform)`; `native` always closes the chain."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(_OPS))
+    if unknown:
+        raise SelectionError(f"override names unknown op(s) {unknown}; ops are: {sorted(_OPS)}")
+    table: dict[str, OpChoice] = {}
+    for name, op in sorted(_OPS.items()):
+        order = [p for p in priorities.get(name, []) if p != "native"] + ["native"]
+        forced = overrides.get(name)
+        if forced is not None:
+            if forced not in op.providers:
+                raise SelectionError(f"--ops {name}={forced}: no provider {forced!r} for op {name!r}; "
+                                     f"registered: {sorted(op.providers)}")
+            ok, reason = op.providers[forced].supported(platform)
+            if not ok:
+                raise SelectionError(f"--ops {name}={forced}: provider {forced!r} is unavailable on "
+                                     f"{platform.kind}/{platform.arch}: {reason}")
+            order = [forced] + [p for p in order if p != forced]
+        choice = OpChoice(name, [], overridden=forced is not None)
+        for pname in order:
+            provider = op.providers.get(pname)
+            if provider is None:
+                choice.skipped.append((pname, "not registered (its module is not part of this backend)"))
+                continue
+            ok, reason = provider.supported(platform)
+            if ok:
+                choice.chain.append(provider)
+            else:
+                choice.skipped.append((pname, reason))
+        table[name] = choice
+    return table
+
+
+def activate(table: dict[str, OpChoice]) -> None:
+    """Install a resolved table as the active one (done once, at startup, by backend selection)."""
+    _ACTIVE.clear()
+    _ACTIVE.update({name: tuple(choice.chain) for name, choice in table.items()})
+
+
+def deactivate() -> None:
+    _ACTIVE.clear()

@@ -1,0 +1,29 @@
+"""Model families, one file each, written only against HAL ops. The registry is keyed by the Hugging Face
+`architectures` name; a config without `architectures` (as GGUF-derived ones are) falls back to `model_type`."""
+from __future__ import annotations
+
+from typing import Any
+
+from resin.models.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+MODEL_TYPES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def resolve_architecture(config: dict[str, Any]) -> tuple[str, type]:
+    names = list(config.get("architectures") or [])
+    if not names and config.get("model_type") in MODEL_TYPES:
+        names = [MODEL_TYPES[config["model_type"]]]
+    for name in names:
+        if name in MODEL_REGISTRY:
+            return name, MODEL_REGISTRY[name]
+    found = names or [f"model_type={config.get('model_type')!r}"]
+    raise ValueError(f"unsupported architecture {', '.join(found)}; Resin supports: {', '.join(MODEL_REGISTRY)}. "
+                     f"To add one, write its forward pass against HAL ops (docs/porting.md)")
+
+
+__all__ = ["MODEL_REGISTRY", "MODEL_TYPES", "resolve_architecture"]

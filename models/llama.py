@@ -1,0 +1,168 @@
+"""Llama-style decoders: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm).
+
+Pure architecture over HAL ops: GQA with an explicit head_dim, fused q/k/v and gate/up projections, tied or
+untied embeddings, rope scaling as the config gives it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from resin import hal
+from resin.models.layers import Embedding, Linear, MergedLinear, RMSNorm, Rotary, act_and_mul
+
+
+@dataclass
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    hidden_act: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means full attention everywhere
+
+    @classmethod
+    def from_hf(cls, c: dict[str, Any], **family: Any) -> "DecoderConfig":
+        rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+        theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+        heads = c["num_attention_heads"]
+        windows: tuple[int | None, ...] = ()
+        if c.get("layer_types") and c.get("sliding_window"):
+            windows = tuple(c["sliding_window"] if t == "sliding_attention" else None for t in c["layer_types"])
+        return cls(
+            vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads, rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta), rope_scaling=rope or None,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            tie_word_embeddings=c.get("tie_word_embeddings", False), hidden_act=c.get("hidden_act", "silu"),
+            sliding_windows=windows, **family)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.h * self.d, self.hk * self.d, self.hk * self.d],
+                                     ["q", "k", "v"], bias=cfg.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = Rotary(self.d, self.d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
+        self.spec = hal.AttentionLayer(self.h, self.hk, self.d, scale=self.d ** -0.5, sliding_window=window)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.h, self.d)).reshape(q.shape)
+            k = self.k_norm(k.reshape(-1, self.hk, self.d)).reshape(k.shape)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(ctx.attention(self.layer_idx, q, k, v.contiguous()))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype):
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], ["gate", "up"], cfg.mlp_bias, dtype)
+        self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias, dtype)
+        self.act = act_and_mul(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, dtype)
+        self.mlp = MLP(cfg, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, residual, positions, ctx):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, ids, positions, ctx):
+        x, residual = self.embed_tokens(ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, ctx)
+        return self.norm(x, residual)[0]
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint projection name -> (Resin's fused module, shard)
+    packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                      "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
+    # llama.cpp stores this family's q/k rows permuted for its rotary layout; the GGUF loader undoes it
+    gguf_permutes_qk = True
+
+    @classmethod
+    def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
+        bias = c.get("attention_bias", False)
+        return DecoderConfig.from_hf(c, qkv_bias=bias, o_bias=bias, mlp_bias=c.get("mlp_bias", False))
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.attention_layers = [layer.self_attn.spec for layer in self.model.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hal.LINEAR(hidden, weight)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    gguf_permutes_qk = False
+
+    @classmethod
+    def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
+        return DecoderConfig.from_hf(c, qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    gguf_permutes_qk = False
+
+    @classmethod
+    def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
+        bias = c.get("attention_bias", False)
+        return DecoderConfig.from_hf(c, qkv_bias=bias, o_bias=bias, qk_norm=True)

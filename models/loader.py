@@ -1,0 +1,103 @@
+"""Loading a model: a Hugging Face folder of safetensors (single or sharded) or a GGUF file. Never pickle."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from resin.models import resolve_architecture
+from resin.models.gguf_loader import read_gguf
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    architecture: str
+    hf_config: dict[str, Any]
+    path: Path
+    gguf_file: Path | None = None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    return sorted(folder.glob("*.safetensors"))
+
+
+def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name)
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]], Path | None]:
+    """(HF config dict, (name, tensor) pairs, the GGUF file if that is what was read)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist: give a folder with config.json and "
+                                f"*.safetensors, or a .gguf file")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise ValueError(f"{p} is a file but not a .gguf; give a .gguf file or a Hugging Face model folder")
+        config, tensors = read_gguf(p)
+        return config, tensors, p
+    files = _safetensors_files(p)
+    if not files:
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return read_checkpoint(ggufs[0])
+        pickles = [f.name for f in p.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        hint = (f" It has {pickles}: pickle checkpoints are never loaded (they can run code); convert them to "
+                f"safetensors." if pickles else "")
+        raise FileNotFoundError(f"no *.safetensors (or single .gguf) weights in {p}.{hint}")
+    if not (p / "config.json").exists():
+        raise FileNotFoundError(f"{p} has weights but no config.json")
+    return json.loads((p / "config.json").read_text()), _safetensors_tensors(files), None
+
+
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters())
+    packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if "rotary_emb" in name:
+            continue
+        if name.startswith("lm_head.") and "lm_head.weight" not in params:
+            continue  # tied embeddings: the checkpoint may still carry a copy
+        shard = None
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in packed:
+                parts[i], shard = packed[part]
+                break
+        target = ".".join(parts)
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        param.weight_loader(param, tensor.to(param.dtype), shard)
+        loaded.add(target if shard is None else f"{target}:{shard}")
+    expected = set()
+    for pname in params:
+        module = pname.rsplit(".", 2)[-2] if pname.count(".") else pname
+        shards = [s for _, (m, s) in packed.items() if m == module]
+        expected.update(f"{pname}:{s}" for s in shards) if shards else expected.add(pname)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}")
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    config, tensors, gguf_file = read_checkpoint(path)
+    architecture, cls = resolve_architecture(config)
+    model = cls(cls.parse_config(config), dtype)
+    load_weights(model, tensors)
+    return LoadedModel(model.to(device).eval(), architecture, config, Path(path), gguf_file)

@@ -1,0 +1,99 @@
+"""From user-facing arguments to a running LLMEngine: backend selection, dtype, model, tokenizer, KV budget."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resin.core.config import EngineConfig, default_kv_cache_bytes, parse_bytes
+from resin.core.engine import LLMEngine, LogitsObserver
+from resin.core.model_runner import kv_bytes_per_block
+from resin.hal import Selection, select_backend
+from resin.models.loader import load_model
+from resin.tokenizer import eos_token_ids, load_tokenizer
+
+log = logging.getLogger("resin")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, selection: Selection) -> torch.dtype:
+    """'auto' (or None): fp32 on cpu, where it is the reference; bf16 on GPUs."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.float32 if selection.platform.kind == "cpu" else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; choose auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[dtype]
+
+
+def builtin_model_path() -> Path:
+    raise ValueError("no model given and the built-in model is not available in this version: pass a model "
+                     "folder (config.json + *.safetensors) or a .gguf file, e.g. LLM(model='path/to/model')")
+
+
+@dataclass
+class EngineArgs:
+    model: str | Path | None = None
+    backend: str = "auto"
+    dtype: str | torch.dtype | None = None
+    kv_cache_memory: int | str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    ops: str | dict[str, str] | None = None
+
+
+@dataclass
+class BuiltEngine:
+    engine: LLMEngine
+    selection: Selection
+    tokenizer: Any
+    architecture: str
+    model_path: Path
+    dtype: torch.dtype
+
+
+def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None) -> BuiltEngine:
+    selection = select_backend(args.backend, args.ops)
+    dtype = resolve_dtype(args.dtype, selection)
+    path = Path(args.model).expanduser() if args.model is not None else builtin_model_path()
+    loaded = load_model(path, dtype, selection.platform.device)
+    tokenizer = load_tokenizer(path, loaded.gguf_file)
+    gen_config_file = path / "generation_config.json" if path.is_dir() else None
+    gen_config = json.loads(gen_config_file.read_text()) if gen_config_file and gen_config_file.exists() else {}
+
+    model_max = int(loaded.hf_config.get("max_position_embeddings", 4096))
+    max_model_len = args.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
+    budget = (parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None
+              else default_kv_cache_bytes(selection.platform.memory_free))
+    per_block = kv_bytes_per_block(loaded.model.attention_layers, args.block_size, dtype)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block ({per_block} bytes each): raise it")
+    config = EngineConfig(
+        max_model_len=max_model_len, kv_cache_bytes=budget, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(max_model_len, 8192)),
+        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+    engine = LLMEngine(loaded.model, config, vocab_size=loaded.model.config.vocab_size, dtype=dtype,
+                       device=selection.platform.device, num_blocks=num_blocks, tokenizer=tokenizer,
+                       eos_token_ids=eos_token_ids(tokenizer, loaded.hf_config, gen_config),
+                       logits_observer=logits_observer)
+    log.info("backend %s on %s (%s), dtype %s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
+             selection.backend.name, selection.platform.device_name, selection.platform.arch,
+             str(dtype).removeprefix("torch."), num_blocks, args.block_size, num_blocks * args.block_size,
+             num_blocks * per_block / (1 << 20))
+    return BuiltEngine(engine, selection, tokenizer, loaded.architecture, path, dtype)

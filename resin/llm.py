@@ -1,0 +1,83 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from tqdm.auto import tqdm
+
+from resin.core.outputs import CompletionOutput, RequestOutput
+from resin.core.sampling_params import SamplingParams
+from resin.engine_builder import EngineArgs, build_engine
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, backend: str = "auto", dtype: str | None = None,
+                 kv_cache_memory: int | str | None = None, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, enable_prefix_caching: bool = True, seed: int = 0, **kwargs: Any):
+        args = EngineArgs(model=model, backend=backend, dtype=dtype, kv_cache_memory=kv_cache_memory,
+                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                          enable_prefix_caching=enable_prefix_caching, seed=seed,
+                          **{k: v for k, v in kwargs.items() if k != "logits_observer"})
+        built = build_engine(args, logits_observer=kwargs.get("logits_observer"))
+        self.engine = built.engine
+        self.tokenizer = built.tokenizer
+        self.selection = built.selection
+        self.architecture = built.architecture
+        self.dtype = built.dtype
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def _encode(self, prompt: Prompt, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return prompt, self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+        return None, [int(t) for t in prompt]
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, _add_special_tokens: bool = True) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. A prompt that cannot be served (too long, empty, ...) gets an
+        output with `error` set and finish_reason "abort"; the other prompts are unaffected."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        results: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p in zip(prompts, params_list):
+            rid = str(next(self._ids))
+            order.append(rid)
+            text, ids = self._encode(prompt, _add_special_tokens)
+            try:
+                self.engine.add_request(rid, ids, p, prompt=text)
+            except ValueError as e:
+                results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(i, "", [], "abort")
+                                                             for i in range(p.n)], finished=True, error=str(e))
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
+        bar.update(len(results))
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: use generate() with a plain prompt")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm, _add_special_tokens=False)

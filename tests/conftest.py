@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny random-weight models built from transformers configs and saved as safetensors, and a
+small byte-level BPE tokenizer trained on the spot (no downloads)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+CORPUS = [
+    "Hello world! The capital of France is Paris.",
+    "Grüße aus München: Straße, Käse, Übermaß.",
+    "日本語のテキストと絵文字 🙂🚀 も入っています。",
+    "The quick brown fox jumps over the lazy dog. STOP here. END of story.",
+    "Числа 1234567890 и знаки !@#$%^&*()",
+]
+
+
+def hf_config(arch: str, **overrides):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    base = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=24, max_position_embeddings=512, rms_norm_eps=1e-5,
+                tie_word_embeddings=False)
+    base.update(overrides)
+    cls = {"LlamaForCausalLM": LlamaConfig, "Qwen2ForCausalLM": Qwen2Config, "Qwen3ForCausalLM": Qwen3Config}[arch]
+    if arch == "Qwen2ForCausalLM":
+        base.pop("head_dim", None) if "head_dim" not in overrides else None
+    cfg = cls(**base)
+    cfg.architectures = [arch]
+    return cfg
+
+
+def build_hf_model(cfg, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # random init is small; widen it so logits differ meaningfully between tokens
+        for p in model.parameters():
+            if p.dim() >= 1 and p.shape[0] > 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def save_tiny(tmp: Path, arch: str, tokenizer=None, seed: int = 0, **overrides):
+    model = build_hf_model(hf_config(arch, **overrides), seed)
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    return model
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|end|>", "<s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>", bos_token="<s>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """arch -> (folder, transformers model) for the default tiny config of each architecture."""
+    out = {}
+    for arch in ARCHS:
+        folder = tmp_path_factory.mktemp(arch)
+        out[arch] = (folder, save_tiny(folder, arch))
+    return out
+
+
+@pytest.fixture(scope="session")
+def text_model(tmp_path_factory, bpe_tokenizer):
+    """A tiny Llama with a real (trained here) tokenizer and chat template, for text-level tests."""
+    folder = tmp_path_factory.mktemp("text-llama")
+    model = save_tiny(folder, "LlamaForCausalLM", tokenizer=bpe_tokenizer, vocab_size=len(bpe_tokenizer),
+                      eos_token_id=bpe_tokenizer.eos_token_id, bos_token_id=bpe_tokenizer.bos_token_id)
+    return folder, model
