@@ -7,8 +7,9 @@ chain that always ends in `native`; calls walk the chain to the first provider t
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from resin.hal.platform import Platform
 
@@ -67,6 +68,7 @@ class Op:
 _OPS: dict[str, Op] = {}
 # The only global mutable state: the provider chain of every op for the selected backend.
 _ACTIVE: dict[str, tuple[Provider, ...]] = {}
+_TRACING: set[str] | None = None  # set only inside trace_ops()
 
 
 def all_ops() -> dict[str, Op]:
@@ -141,9 +143,41 @@ def resolve(priorities: dict[str, list[str]], platform: Platform,
 
 def activate(table: dict[str, OpChoice]) -> None:
     """Install a resolved table as the active one (done once, at startup, by backend selection)."""
+    activate_chains({name: tuple(choice.chain) for name, choice in table.items()})
+
+
+def activate_chains(chains: dict[str, tuple[Provider, ...]]) -> None:
     _ACTIVE.clear()
-    _ACTIVE.update({name: tuple(choice.chain) for name, choice in table.items()})
+    for name, chain in chains.items():
+        if _TRACING is not None:
+            chain = tuple(Provider(p.name, _recording(name, p.fn, _TRACING), p.supported, p.supports_args)
+                          for p in chain)
+        _ACTIVE[name] = chain
 
 
 def deactivate() -> None:
     _ACTIVE.clear()
+
+
+@contextmanager
+def trace_ops() -> Iterator[set[str]]:
+    """Record which ops are called inside the block (for `resin models`), also across a backend selection made
+    inside it. Outside a trace the call path is untouched."""
+    global _TRACING
+    seen: set[str] = set()
+    saved = dict(_ACTIVE)
+    _TRACING = seen
+    activate_chains(saved or {name: (op.providers["native"],) for name, op in _OPS.items()})
+    try:
+        yield seen
+    finally:
+        _TRACING = None
+        _ACTIVE.clear()
+        _ACTIVE.update(saved)
+
+
+def _recording(name: str, fn: Callable[..., Any], seen: set[str]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        seen.add(name)
+        return fn(*args, **kwargs)
+    return call

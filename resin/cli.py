@@ -1,10 +1,92 @@
-"""The `resin` command line."""
+"""The `resin` command line: generate, chat, backends, models, parity."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from pathlib import Path
 
 from resin import hal
+
+log = logging.getLogger("resin")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a Hugging Face model folder or .gguf file (default: the built-in "
+                                                 "SmolLM2-135M-Instruct, fetched once into the cache)")
+    p.add_argument("--backend", default="auto", choices=["auto", *hal.BACKENDS])
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on GPUs), float32, bfloat16, float16")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default: on cpu a quarter "
+                                                          "of free RAM, at most 1 GiB; on GPUs 85%% of free memory)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--ops", default=None, help="provider overrides, e.g. attention=native (also RESIN_OPS)")
+
+
+def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _llm(args: argparse.Namespace):
+    from resin.llm import LLM
+
+    return LLM(args.model, backend=args.backend, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+               max_model_len=args.max_model_len, ops=args.ops)
+
+
+def _params(args: argparse.Namespace, **extra):
+    from resin.core.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, **extra)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _params(args, ignore_eos=args.ignore_eos)
+    llm = _llm(args)
+    for piece in llm.stream(args.prompt, params, chat=args.chat):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _params(args)
+    llm = _llm(args)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Chatting with the model. /reset starts over, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    base = list(history)
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = list(base)
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        if interactive:
+            sys.stdout.write("assistant> ")
+        for piece in llm.stream(history, params):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": "".join(reply)})
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -16,26 +98,92 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from resin.models_report import supported_models
+
+    rows = supported_models()
+    width = max(len(r[0]) for r in rows)
+    print(f"{'architecture':<{width}}  {'model_type':<10}  ops")
+    for arch, model_type, ops in rows:
+        print(f"{arch:<{width}}  {model_type:<10}  {', '.join(ops)}")
+    return 0
+
+
+def cmd_parity(args: argparse.Namespace) -> int:
+    from resin.parity import run_parity
+
+    prompts = None
+    if args.prompts:
+        prompts = [line for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    card = run_parity(args.model_or_arch, backend=args.backend, dtype=args.dtype, prompts=prompts,
+                      decode_steps=args.steps)
+    print(card.format())
+    return 0 if card.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resin", description="Resin: LLM inference on any chip.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("generate", help="generate text for a prompt, streamed to stdout",
+                       description="Generate text for PROMPT and stream it to stdout as it is produced.")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    _engine_flags(p)
+    _sampling_flags(p, max_tokens=256)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="an interactive chat in the terminal",
+                       description="Chat with the model; the conversation is kept until /reset. Reads stdin.")
+    p.add_argument("--system", default=None, help="a system message")
+    _engine_flags(p)
+    _sampling_flags(p, max_tokens=512)
+    p.set_defaults(func=cmd_chat)
+
     p = sub.add_parser("backends", help="platform facts and the op -> provider table",
                        description="Print the platform facts and which provider each HAL op would use, and why "
                                    "the providers before it were skipped. Works for absent hardware too.")
     p.add_argument("--backend", default="auto", choices=["auto", *hal.BACKENDS])
-    p.add_argument("--arch", default=None, help="describe this architecture (e.g. gfx942, gfx950, sm_90)")
+    p.add_argument("--arch", default=None, help="describe this architecture (e.g. gfx942, gfx950, sm_90, sm_100)")
     p.add_argument("--ops", default=None, help="provider overrides, e.g. attention=native")
     p.set_defaults(func=cmd_backends)
+
+    p = sub.add_parser("models", help="supported architectures and the HAL ops each uses",
+                       description="List supported architectures; the ops column is traced from a forward pass "
+                                   "of a tiny random model of each.")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("parity", help="the porting gate: Resin vs transformers logits and greedy tokens",
+                       description="Run Resin and transformers on the same weights and prompts and print a "
+                                   "scorecard. MODEL_OR_ARCH is a model folder / .gguf, or an architecture name "
+                                   "(a random tiny model of it is built). fp32 gate: max |logit diff| <= 1e-3 at "
+                                   "prefill and each decode step and identical greedy tokens; bf16/fp16 gate: "
+                                   "top-1 agreement >= 95%. Exit code 0 only on pass.")
+    p.add_argument("model_or_arch")
+    p.add_argument("--backend", default="auto", choices=["auto", *hal.BACKENDS])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompts", default=None, help="a file with one prompt per line (token ids separated by "
+                                                   "spaces for models without a tokenizer)")
+    p.add_argument("--steps", type=int, default=16, help="greedy decode steps per prompt")
+    p.set_defaults(func=cmd_parity)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="resin: %(message)s",
+                        stream=sys.stderr)
+    for noisy in ("transformers", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

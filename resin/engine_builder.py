@@ -35,8 +35,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, selection: Selection) -> torc
 
 
 def builtin_model_path() -> Path:
-    raise ValueError("no model given and the built-in model is not available in this version: pass a model "
-                     "folder (config.json + *.safetensors) or a .gguf file, e.g. LLM(model='path/to/model')")
+    from resin.builtin import ensure_builtin_model
+
+    return ensure_builtin_model().path
+
+
+def free_memory(selection: Selection) -> int:
+    """Free memory on the engine's device now (after the weights are loaded)."""
+    if selection.platform.kind == "cpu":
+        from resin.hal.platform import cpu_platform
+
+        return cpu_platform().memory_free
+    return torch.cuda.mem_get_info()[0]
 
 
 @dataclass
@@ -78,7 +88,7 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
     if max_model_len > model_max:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     budget = (parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None
-              else default_kv_cache_bytes(selection.platform.memory_free))
+              else default_kv_cache_bytes(free_memory(selection), on_gpu=selection.platform.kind != "cpu"))
     per_block = kv_bytes_per_block(loaded.model.attention_layers, args.block_size, dtype)
     num_blocks = budget // per_block
     if num_blocks < 1:

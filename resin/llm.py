@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -71,13 +71,40 @@ class LLM:
         bar.close()
         return [results[rid] for rid in order]
 
+    def stream(self, prompt: Prompt | list[dict[str, str]], sampling_params: SamplingParams | None = None,
+               chat: bool = False) -> Iterator[str]:
+        """Generate for one prompt, yielding text as it is produced. A conversation (a list of messages), or a
+        string with chat=True (one user message), goes through the chat template."""
+        params = sampling_params or SamplingParams()
+        if isinstance(prompt, str) and chat:
+            prompt = [{"role": "user", "content": prompt}]
+        if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
+            prompt, chat = self.apply_chat_template(prompt), True
+        text, ids = self._encode(prompt, add_special_tokens=not chat)
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, ids, params, prompt=text)
+        sent = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        new = out.outputs[0].text[sent:]
+                        sent += len(new)
+                        if new:
+                            yield new
+        finally:
+            self.engine.abort_request(rid)  # no-op once finished; frees blocks if the consumer stopped early
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: use generate() with a plain prompt")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: use generate() with a plain prompt")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
+        prompts = [self.apply_chat_template(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, _add_special_tokens=False)

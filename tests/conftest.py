@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from resin.tiny import random_hf_model, save_tiny_model, tiny_hf_config  # noqa: F401 (re-exported)
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
@@ -25,39 +27,8 @@ CORPUS = [
 ]
 
 
-def hf_config(arch: str, **overrides):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    base = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=24, max_position_embeddings=512, rms_norm_eps=1e-5,
-                tie_word_embeddings=False)
-    base.update(overrides)
-    cls = {"LlamaForCausalLM": LlamaConfig, "Qwen2ForCausalLM": Qwen2Config, "Qwen3ForCausalLM": Qwen3Config}[arch]
-    if arch == "Qwen2ForCausalLM":
-        base.pop("head_dim", None) if "head_dim" not in overrides else None
-    cfg = cls(**base)
-    cfg.architectures = [arch]
-    return cfg
-
-
-def build_hf_model(cfg, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # random init is small; widen it so logits differ meaningfully between tokens
-        for p in model.parameters():
-            if p.dim() >= 1 and p.shape[0] > 1:
-                p.add_(torch.randn_like(p) * 0.05)
-    return model
-
-
 def save_tiny(tmp: Path, arch: str, tokenizer=None, seed: int = 0, **overrides):
-    model = build_hf_model(hf_config(arch, **overrides), seed)
-    model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    return model
+    return save_tiny_model(tmp, arch, seed, tokenizer, **overrides)
 
 
 @pytest.fixture(scope="session")

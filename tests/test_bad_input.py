@@ -35,11 +35,6 @@ def test_pickle_checkpoint_is_refused(tmp_path):
         LLM(str(tmp_path))
 
 
-def test_no_model_is_a_clear_error_for_now():
-    with pytest.raises(ValueError, match="pass a model folder"):
-        LLM(None)
-
-
 def test_too_long_prompt_fails_alone(tiny_models):
     folder, _ = tiny_models["Qwen2ForCausalLM"]
     llm = LLM(str(folder), kv_cache_memory="4MiB", max_model_len=64)

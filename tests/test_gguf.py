@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import build_hf_model, hf_config
+from resin.tiny import random_hf_model, tiny_hf_config
 from parity import LogitsRecorder, run_and_compare
 from resin import LLM
 from resin.models.gguf_loader import unpermute_qk
@@ -83,7 +83,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 def test_gguf_matches_hf(arch, quant, tmp_path):
     import gguf
 
-    hf = build_hf_model(hf_config(arch, vocab_size=160, head_dim=24, hidden_size=64,
+    hf = random_hf_model(tiny_hf_config(arch, vocab_size=160, head_dim=24, hidden_size=64,
                                   tie_word_embeddings=arch == "Qwen3ForCausalLM"), seed=3)
     path = tmp_path / "model.gguf"
     write_gguf(path, hf, arch, getattr(gguf.GGMLQuantizationType, quant) if quant else None)

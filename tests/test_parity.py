@@ -52,9 +52,6 @@ def test_config_shapes_match_hf(arch, cfg_idx, tmp_path):
     overrides = dict(CONFIGS[cfg_idx])
     if arch != "LlamaForCausalLM" and "rope_scaling" in overrides:
         overrides.pop("rope_scaling")  # llama3 scaling is a Llama feature; keep the other shape changes
-    if arch == "Qwen2ForCausalLM":
-        overrides["head_dim"] = overrides["hidden_size"] // overrides["num_attention_heads"] \
-            if "hidden_size" in overrides else 64 // overrides["num_attention_heads"]
     hf = save_tiny(tmp_path, arch, seed=cfg_idx + 1, **overrides)
     rec = LogitsRecorder()
     llm = make_llm(tmp_path, rec, max_num_batched_tokens=32)

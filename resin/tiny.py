@@ -1,0 +1,47 @@
+"""Tiny random-weight models of each supported architecture, built from transformers configs: the porting
+gate's workhorse (`resin parity ARCH`, `resin models`, the test suite)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resin.models import MODEL_REGISTRY, MODEL_TYPES
+
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=24, max_position_embeddings=512, rms_norm_eps=1e-5,
+            tie_word_embeddings=False)
+
+
+def tiny_hf_config(arch: str, **overrides: Any):
+    from transformers import AutoConfig
+
+    types = {v: k for k, v in MODEL_TYPES.items()}
+    if arch not in types:
+        raise ValueError(f"no tiny config for {arch!r}; architectures: {', '.join(MODEL_REGISTRY)}")
+    values = {**TINY, **overrides}
+    cfg = AutoConfig.for_model(types[arch], **values)
+    cfg.architectures = [arch]
+    return cfg
+
+
+def random_hf_model(cfg, seed: int = 0):
+    """A transformers model with random weights, widened so logits differ meaningfully between tokens."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 1 and p.shape[0] > 1:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def save_tiny_model(folder: Path, arch: str, seed: int = 0, tokenizer: Any = None, **overrides: Any):
+    model = random_hf_model(tiny_hf_config(arch, **overrides), seed)
+    model.save_pretrained(folder, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return model
