@@ -29,6 +29,15 @@ LogitsObserver = Callable[[list[Request], torch.Tensor], None]
 
 
 @dataclass
+class StepStats:
+    """What the last step did, for metrics and step logs."""
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_sampled: int = 0
+    num_preempted: int = 0
+
+
+@dataclass
 class _Group:
     """One user request: its n sequences and their detokenisers."""
     request_id: str
@@ -56,6 +65,11 @@ class LLMEngine:
         self.logits_observer = logits_observer
         self.groups: dict[str, _Group] = {}
         self.capacity_tokens = num_blocks * config.block_size
+        if config.max_model_len > self.capacity_tokens:  # else one long request could never finish
+            raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache ({self.capacity_tokens} "
+                             f"tokens): raise kv_cache_memory or lower max_model_len")
+        self.last_step = StepStats()
+        self.num_aborted = 0
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -70,18 +84,18 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate without side effects; returns the effective max_tokens (clipped to the context left)."""
+        self.validate_prompt(prompt_token_ids)
+        room = self.config.max_model_len - len(prompt_token_ids)
+        return min(params.max_tokens or room, room)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
         """Queue a request. Raises ValueError (naming the problem) without touching other requests."""
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate_prompt(prompt_token_ids)
-        room = self.config.max_model_len - len(prompt_token_ids)
-        max_tokens = min(params.max_tokens or room, room)
-        if (len(prompt_token_ids) + max_tokens) > self.capacity_tokens:
-            raise ValueError(f"prompt ({len(prompt_token_ids)}) + max_tokens ({max_tokens}) tokens exceed the KV "
-                             f"cache capacity of {self.capacity_tokens} tokens: raise kv_cache_memory or lower "
-                             f"max_tokens")
+        max_tokens = self.check_request(prompt_token_ids, params)
         seqs, detoks = [], []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -103,6 +117,7 @@ class LLMEngine:
         group = self.groups.pop(request_id, None)
         if group is None:
             return None
+        self.num_aborted += 1
         for seq in group.seqs:
             if not seq.finished:
                 seq.finish("abort")
@@ -112,11 +127,23 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def abort_all(self) -> list[RequestOutput]:
+        return [out for rid in list(self.groups) if (out := self.abort_request(rid)) is not None]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.runner.release(seq)
+        self.last_step = StepStats(len(batch.requests), batch.total_tokens, 0, len(batch.preempted))
         if not batch.requests:
             return []
         out = self.runner.execute(batch)
@@ -132,6 +159,7 @@ class LLMEngine:
             if self.logits_observer is not None:
                 self.logits_observer(out.sample_requests, out.sample_logits)
             sampled = self.sampler(out.sample_logits, out.sample_requests)
+            self.last_step.num_sampled = len(sampled.token_ids)
             now = time.monotonic()
             for seq, token, lp in zip(out.sample_requests, sampled.token_ids, sampled.logprobs):
                 if seq.first_token_time is None:

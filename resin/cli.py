@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -11,9 +12,10 @@ from resin import hal
 log = logging.getLogger("resin")
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a Hugging Face model folder or .gguf file (default: the built-in "
-                                                 "SmolLM2-135M-Instruct, fetched once into the cache)")
+def _engine_flags(p: argparse.ArgumentParser, with_model: bool = True) -> None:
+    if with_model:
+        p.add_argument("--model", default=None, help="a Hugging Face model folder or .gguf file (default: the "
+                                                     "built-in SmolLM2-135M-Instruct, fetched once into the cache)")
     p.add_argument("--backend", default="auto", choices=["auto", *hal.BACKENDS])
     p.add_argument("--dtype", default="auto", help="auto (fp32 on cpu, bf16 on GPUs), float32, bfloat16, float16")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache budget, e.g. 2GiB (default: on cpu a quarter "
@@ -89,6 +91,22 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    try:
+        from resin.server.run import ServeArgs, serve
+    except ImportError as e:
+        raise ValueError(f"the server needs its extra: pip install 'resin[server]' ({e})") from None
+    from resin.engine_builder import EngineArgs
+
+    engine_args = EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype,
+                             kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             enable_prefix_caching=not args.no_prefix_caching, ops=args.ops, seed=args.seed)
+    return serve(engine_args, ServeArgs(host=args.host, port=args.port, api_key=args.api_key,
+                                        served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                                        shutdown_timeout=args.shutdown_timeout))
+
+
 def cmd_backends(args: argparse.Namespace) -> int:
     sel = hal.describe_backend(args.backend, arch=args.arch, ops=args.ops)
     for key, value in sel.platform.describe():
@@ -125,6 +143,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="resin", description="Resin: LLM inference on any chip.")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve MODEL (default: the built-in model) over HTTP: /v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health, /version, /metrics.")
+    p.add_argument("model", nargs="?", default=None, help="a Hugging Face model folder or .gguf file")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("RESIN_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $RESIN_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step")
+    p.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue length past which requests get 429")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    _engine_flags(p, with_model=False)
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("generate", help="generate text for a prompt, streamed to stdout",
                        description="Generate text for PROMPT and stream it to stdout as it is produced.")

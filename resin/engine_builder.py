@@ -93,6 +93,14 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
     num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block ({per_block} bytes each): raise it")
+    capacity = num_blocks * args.block_size
+    if max_model_len > capacity:
+        if args.max_model_len is not None:
+            raise ValueError(f"max_model_len={max_model_len} needs {max_model_len} tokens of KV cache but "
+                             f"kv_cache_memory holds {capacity}: raise kv_cache_memory or lower max_model_len")
+        log.warning("the KV cache holds %d tokens, fewer than the model's %d: max_model_len set to %d",
+                    capacity, max_model_len, capacity)
+        max_model_len = capacity
     config = EngineConfig(
         max_model_len=max_model_len, kv_cache_bytes=budget, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

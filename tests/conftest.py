@@ -62,5 +62,6 @@ def text_model(tmp_path_factory, bpe_tokenizer):
     """A tiny Llama with a real (trained here) tokenizer and chat template, for text-level tests."""
     folder = tmp_path_factory.mktemp("text-llama")
     model = save_tiny(folder, "LlamaForCausalLM", tokenizer=bpe_tokenizer, vocab_size=len(bpe_tokenizer),
+                      max_position_embeddings=2048,
                       eos_token_id=bpe_tokenizer.eos_token_id, bos_token_id=bpe_tokenizer.bos_token_id)
     return folder, model

@@ -1,0 +1,78 @@
+"""Prometheus metrics for the server, in a registry of their own (not prometheus-client's global one)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from resin.core.engine import LLMEngine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def lab(metric):
+            return metric.labels(model_name=model_name)
+
+        self.ttft = lab(Histogram("resin:time_to_first_token_seconds", "Time to first token.", labels,
+                                  registry=r, buckets=_LATENCY_BUCKETS))
+        self.itl = lab(Histogram("resin:inter_token_latency_seconds", "Time between output tokens.", labels,
+                                 registry=r, buckets=_LATENCY_BUCKETS))
+        self.e2e = lab(Histogram("resin:e2e_request_latency_seconds", "Request latency, arrival to finish.",
+                                 labels, registry=r, buckets=_LATENCY_BUCKETS))
+        self.running = lab(Gauge("resin:num_requests_running", "Sequences in the running batch.", labels,
+                                 registry=r))
+        self.waiting = lab(Gauge("resin:num_requests_waiting", "Sequences waiting to be scheduled.", labels,
+                                 registry=r))
+        self.kv_usage = lab(Gauge("resin:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
+                                  labels, registry=r))
+        self.prefix_hit_rate = lab(Gauge("resin:prefix_cache_hit_rate", "Prefix-cache block hits / queries.",
+                                         labels, registry=r))
+        self.prefix_queries = lab(Counter("resin:prefix_cache_queries", "Prefix-cache blocks queried.", labels,
+                                          registry=r))
+        self.prefix_hits = lab(Counter("resin:prefix_cache_hits", "Prefix-cache blocks hit.", labels, registry=r))
+        self.prompt_tokens = lab(Counter("resin:prompt_tokens", "Prompt tokens received.", labels, registry=r))
+        self.generation_tokens = lab(Counter("resin:generation_tokens", "Tokens generated.", labels, registry=r))
+        self.preemptions = lab(Counter("resin:num_preemptions", "Sequences preempted (recomputed later).", labels,
+                                       registry=r))
+        self.aborted = lab(Counter("resin:request_aborted", "Requests aborted (client gone or shutdown).", labels,
+                                   registry=r))
+        self.finished = lab(Counter("resin:request_success", "Requests finished normally.", labels, registry=r))
+        self.batch_size = lab(Histogram("resin:step_batch_size", "Sequences per engine step.", labels, registry=r,
+                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)))
+        self.step_tokens = lab(Histogram("resin:step_num_tokens", "Tokens per engine step.", labels, registry=r,
+                                         buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384)))
+        self._seen = (0, 0, 0)
+
+    def on_step(self, engine: LLMEngine) -> None:
+        """Called by the engine thread after each step."""
+        step = engine.last_step
+        if step.num_seqs:
+            self.batch_size.observe(step.num_seqs)
+            self.step_tokens.observe(step.num_tokens)
+        self.generation_tokens.inc(step.num_sampled)
+        self.preemptions.inc(step.num_preempted)
+        self.on_change(engine)
+
+    def on_change(self, engine: LLMEngine) -> None:
+        """Counters read off the engine's totals, and gauges; called on the engine thread only."""
+        stats = engine.prefix_cache_stats
+        queried, hits, aborted = self._seen
+        self.prefix_queries.inc(stats.queried_blocks - queried)
+        self.prefix_hits.inc(stats.hit_blocks - hits)
+        self.aborted.inc(engine.num_aborted - aborted)
+        self._seen = (stats.queried_blocks, stats.hit_blocks, engine.num_aborted)
+        self.update_gauges(engine)
+
+    def update_gauges(self, engine: LLMEngine) -> None:
+        """Gauges only: safe to call from any thread (the /metrics handler refreshes them)."""
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.kv.usage)
+        self.prefix_hit_rate.set(engine.prefix_cache_stats.hit_rate)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,113 @@
+"""Server behaviour around the requests: API keys, a full queue, graceful shutdown, the built-in model."""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from resin.tiny import save_tiny_model
+from server_utils import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """A tiny model with a long context, so one request can keep the engine busy for seconds."""
+    folder = tmp_path_factory.mktemp("long-llama")
+    save_tiny_model(folder, "LlamaForCausalLM", max_position_embeddings=4096)
+    return folder
+
+
+def long_stream(srv, max_tokens=4000):
+    return httpx.stream("POST", srv.url + "/v1/completions", timeout=60,
+                        json={"prompt": [1, 2, 3], "max_tokens": max_tokens, "stream": True, "ignore_eos": True})
+
+
+def test_api_key(long_model):
+    srv = ServerProcess(str(long_model), "--served-model-name", "m", "--kv-cache-memory", "32MiB",
+                        api_key="s3cret").wait_ready()
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        r = httpx.get(srv.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert srv.client().completions.create(model="m", prompt=[1, 2], max_tokens=2).usage.completion_tokens == 2
+        assert httpx.get(srv.url + "/health").status_code == 200
+    finally:
+        assert srv.stop() == 0
+
+
+def test_full_waiting_queue_gives_429(long_model):
+    srv = ServerProcess(str(long_model), "--served-model-name", "m", "--kv-cache-memory", "32MiB",
+                        "--max-num-seqs", "1", "--max-waiting", "1").wait_ready()
+    try:
+        with long_stream(srv) as running:
+            lines = running.iter_lines()  # keep the iterator: dropping it closes the response (a disconnect)
+            next(lines)
+            with long_stream(srv) as waiting:
+                deadline = time.monotonic() + 10
+                while srv.metrics()["resin:num_requests_waiting"] < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                with pytest.raises(openai.RateLimitError) as err:
+                    srv.client().completions.create(model="m", prompt=[1], max_tokens=2)
+                assert "queue is full" in str(err.value)
+                assert waiting.status_code == 200
+        # once they are gone, requests are served again
+        deadline = time.monotonic() + 10
+        while srv.metrics()["resin:num_requests_running"] > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert srv.client().completions.create(model="m", prompt=[1], max_tokens=2).choices
+    finally:
+        assert srv.stop() == 0
+
+
+def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(long_model):
+    srv = ServerProcess(str(long_model), "--served-model-name", "m", "--kv-cache-memory", "32MiB",
+                        "--shutdown-timeout", "1").wait_ready()
+    result: dict = {}
+    started = threading.Event()
+
+    def consume():
+        try:
+            stream = srv.client().completions.create(model="m", prompt=[1, 2, 3], max_tokens=4000, stream=True,
+                                                     extra_body={"ignore_eos": True})
+            for chunk in stream:
+                started.set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    result["finish_reason"] = chunk.choices[0].finish_reason
+            result["clean"] = True
+        except Exception as e:  # noqa: BLE001 - recorded for the assertion
+            result["error"] = repr(e)
+            started.set()
+
+    t = threading.Thread(target=consume)
+    t.start()
+    assert started.wait(30)
+    start = time.monotonic()
+    assert srv.stop(signal.SIGTERM, timeout=30) == 0
+    t.join(30)
+    assert time.monotonic() - start < 15
+    assert result.get("clean"), result
+    assert result["finish_reason"] in ("abort", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_builtin_model_answers_paris(stream, builtin_server):
+    client = builtin_server.client()
+    kw = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+              temperature=0, max_tokens=32)
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
+    else:
+        text = client.chat.completions.create(**kw).choices[0].message.content
+    assert "Paris" in text
+
+
+@pytest.fixture(scope="module")
+def builtin_server():
+    srv = ServerProcess("--kv-cache-memory", "256MiB").wait_ready()
+    yield srv
+    assert srv.stop() == 0
