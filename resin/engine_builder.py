@@ -24,11 +24,18 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, selection: Selection) -> torch.dtype:
-    """'auto' (or None): fp32 on cpu, where it is the reference; bf16 on GPUs."""
+    """'auto' (or None): bf16 where matmuls run natively in it (GPUs; CPUs with AVX512-BF16 or AMX), else fp32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "auto"):
-        return torch.float32 if selection.platform.kind == "cpu" else torch.bfloat16
+        platform = selection.platform
+        if platform.has_native_bf16_matmul():
+            if platform.kind == "cpu":
+                isa = ", ".join(sorted({"avx512_bf16", "amx_bf16"} & platform.cpu_flags))
+                log.info("dtype auto: bfloat16 (this CPU has native bf16 matmul: %s)", isa)
+            return torch.bfloat16
+        log.info("dtype auto: float32 (no native bf16 matmul on this CPU)")
+        return torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; choose auto, {', '.join(sorted(_DTYPES))}")
     return _DTYPES[dtype]

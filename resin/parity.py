@@ -89,7 +89,7 @@ def _prompt_ids(llm, prompts: list[str] | None, vocab: int) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(n)] for n in (5, 17, 33, 64)]
 
 
-def run_parity(model_or_arch: str, backend: str = "auto", dtype: str | None = None,
+def run_parity(model_or_arch: str, backend: str = "auto", dtype: str | None = "float32",
                prompts: list[str] | None = None, decode_steps: int = 16) -> Scorecard:
     from resin.llm import LLM
 

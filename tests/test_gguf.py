@@ -88,6 +88,6 @@ def test_gguf_matches_hf(arch, quant, tmp_path):
     path = tmp_path / "model.gguf"
     write_gguf(path, hf, arch, getattr(gguf.GGMLQuantizationType, quant) if quant else None)
     rec = LogitsRecorder()
-    llm = LLM(str(path), kv_cache_memory="4MiB", logits_observer=rec)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="4MiB", logits_observer=rec)
     assert llm.architecture == arch and llm.get_tokenizer() is None
     run_and_compare(llm, rec, hf, [[3, 4, 5, 6], list(range(10, 40))], max_tokens=5)

@@ -26,13 +26,24 @@ def fake_providers():
     deactivate()
 
 
-def test_cpu_selection_table_resolves_every_op_to_native():
+def test_cpu_selection_table():
     sel = hal.select_backend("auto", install=False)
     assert sel.platform.kind == "cpu" and sel.backend.name == "cpu"
     assert set(sel.table) == set(hal.all_ops())
-    assert all(choice.chosen == "native" for choice in sel.table.values())
+    assert [p.name for p in sel.table["attention"].chain] == ["cpu", "native"]
+    assert all(choice.chosen == "native" for name, choice in sel.table.items() if name != "attention")
     text = sel.format_table()
-    assert "attention" in text and "rms_norm" in text and "only provider on this backend" in text
+    assert "rms_norm" in text and "only provider on this backend" in text and "first in priority order" in text
+
+
+def test_attention_falls_back_to_native_for_soft_cap():
+    sel = hal.select_backend("cpu")
+    plain = [hal.AttentionLayer(4, 2, 16, 0.25)]
+    capped = [hal.AttentionLayer(4, 2, 16, 0.25, logits_soft_cap=30.0)]
+    assert type(hal.ATTENTION(plain, 16, torch.float32, torch.device("cpu"))).__name__ == "CpuAttention"
+    assert isinstance(hal.ATTENTION(capped, 16, torch.float32, torch.device("cpu")), hal.NativeAttention)
+    assert sel.table["attention"].chosen == "cpu"
+    deactivate()
 
 
 def test_unsupported_provider_is_skipped_with_its_reason(fake_providers):
@@ -89,7 +100,7 @@ def test_unknown_backend_name():
 def test_describe_backend_for_absent_hardware(backend, arch):
     sel = hal.describe_backend(backend, arch=arch)
     assert sel.platform.hypothetical and sel.platform.arch == arch and sel.backend.name == backend
-    assert all(c.chosen == "native" for c in sel.table.values())
+    assert all(c.chosen == "native" for c in sel.table.values())  # no GPU kernels registered yet
     assert "no GPU kernels registered yet" in sel.backend.note
 
 

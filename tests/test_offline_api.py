@@ -10,7 +10,7 @@ from resin import LLM, SamplingParams
 @pytest.fixture(scope="module")
 def llm(text_model):
     folder, _ = text_model
-    return LLM(str(folder), kv_cache_memory="8MiB")
+    return LLM(str(folder), dtype="float32", kv_cache_memory="8MiB")
 
 
 def test_text_matches_tokens(llm):

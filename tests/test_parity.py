@@ -22,7 +22,7 @@ def prompts_of(lengths, vocab, seed):
 
 def make_llm(folder, rec, **kw):
     kw.setdefault("kv_cache_memory", "8MiB")
-    return LLM(str(folder), logits_observer=rec, **kw)
+    return LLM(str(folder), dtype="float32", logits_observer=rec, **kw)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -80,7 +80,7 @@ def test_preemption_then_resume_gives_same_tokens(arch, tiny_models):
     folder, hf = tiny_models[arch]
     prompts = prompts_of([30, 25, 20, 35], 211, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    roomy = LLM(str(folder), kv_cache_memory="8MiB").generate(prompts, params, use_tqdm=False)
+    roomy = LLM(str(folder), dtype="float32", kv_cache_memory="8MiB").generate(prompts, params, use_tqdm=False)
     c = hf.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     per_block = c.num_hidden_layers * 2 * 16 * c.num_key_value_heads * head_dim * 4  # (k, v), 16 tokens, fp32
@@ -94,7 +94,7 @@ def test_preemption_then_resume_gives_same_tokens(arch, tiny_models):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prompt_logprobs_equal_hf_log_softmax(arch, tiny_models):
     folder, hf = tiny_models[arch]
-    llm = LLM(str(folder), kv_cache_memory="8MiB", max_num_batched_tokens=16)  # chunked prompt
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=16)  # chunked prompt
     prompt = prompts_of([37], 211, seed=11)[0]
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False)[0]
     ref = torch.log_softmax(hf_logits(hf, prompt), dim=-1)
@@ -111,7 +111,7 @@ def test_prompt_logprobs_equal_hf_log_softmax(arch, tiny_models):
 
 def test_batch_invariance_of_greedy_output(tiny_models):
     folder, _ = tiny_models["Qwen3ForCausalLM"]
-    llm = LLM(str(folder), kv_cache_memory="8MiB", max_num_batched_tokens=40)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="8MiB", max_num_batched_tokens=40)
     target = prompts_of([21], 211, seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -19,14 +19,15 @@ NAME = "tiny"
 @pytest.fixture(scope="module")
 def server(text_model):
     folder, _ = text_model
-    srv = ServerProcess(str(folder), "--served-model-name", NAME, "--kv-cache-memory", "64MiB").wait_ready()
+    srv = ServerProcess(str(folder), "--served-model-name", NAME, "--kv-cache-memory", "64MiB",
+                        "--dtype", "float32").wait_ready()
     yield srv
     assert srv.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def offline(text_model):
-    return LLM(str(text_model[0]), kv_cache_memory="64MiB")
+    return LLM(str(text_model[0]), dtype="float32", kv_cache_memory="64MiB")
 
 
 def test_completion_and_stream(server, offline):

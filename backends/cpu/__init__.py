@@ -1,8 +1,13 @@
-"""The reference backend: every op is the HAL's native, vectorised PyTorch implementation.
+"""The reference backend: every op has the HAL's native, vectorised PyTorch implementation as its oracle.
 
-It is the oracle other backends are tested against, so it registers no providers of its own yet; faster CPU
-providers join its priority lists as they are measured to beat native.
+Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
+against it (tests/test_cpu_providers.py): paged attention split into decode and prefill paths.
 """
+from resin.backends.cpu.attention import CpuAttention
+from resin.hal.attention import ATTENTION
 from resin.hal.selection import BackendSpec
 
-BACKEND = BackendSpec("cpu", priorities={}, note="native PyTorch for every op (the reference)")
+ATTENTION.register("cpu", supports_args=CpuAttention.unsupported_reason)(CpuAttention)
+
+BACKEND = BackendSpec("cpu", priorities={"attention": ["cpu"]},
+                      note="PyTorch on the CPU: native ops; attention split into matmul decode and SDPA prefill")
