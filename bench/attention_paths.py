@@ -1,27 +1,70 @@
-import torch, time
+"""Micro-benchmark behind the cpu attention provider's choices (backends/cpu/attention.py): for decode rows
+(one query) and prefill chunks, bf16, SmolLM2-135M's head shape (9 query heads, 3 KV heads, head size 64).
+
+    python bench/attention_paths.py
+
+Decode: SDPA with a padding mask vs fp32 SDPA vs two plain matmuls with the GQA heads stacked. Prefill: one
+padded, masked SDPA call over all sequences vs one causal SDPA call per sequence.
+"""
+from __future__ import annotations
+
+import random
+import time
+
+import torch
 import torch.nn.functional as F
-torch.manual_seed(0)
-def bench(fn, n=50):
-    fn(); t=time.perf_counter()
-    for _ in range(n): fn()
-    return (time.perf_counter()-t)/n*1e3
-for B, mkv, mq in [(32, 90, 1), (32, 300, 1), (1, 300, 1), (8, 200, 200)]:
-    H, Hk, D = 9, 3, 64
-    q = torch.randn(B, H, mq, D, dtype=torch.bfloat16); k = torch.randn(B, Hk, mkv, D, dtype=torch.bfloat16); v = torch.randn_like(k)
-    mask = torch.ones(B, 1, mq, mkv, dtype=torch.bool).tril(diagonal=mkv-mq)
-    r = {}
-    r["sdpa_bf16"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
-    qf, kf, vf = q.float(), k.float(), v.float()
-    r["sdpa_f32(+cast)"] = bench(lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True))
-    def manual():
-        qq = q.view(B, Hk, H//Hk*mq, D)
-        s = torch.matmul(qq, k.transpose(-1, -2)).float().view(B, Hk, H//Hk, mq, mkv) * 0.125
-        s = s.masked_fill(~mask.view(B, 1, 1, mq, mkv), float("-inf"))
-        p = torch.softmax(s, -1).to(v.dtype).view(B, Hk, H//Hk*mq, mkv)
-        return torch.matmul(p, v)
-    r["manual_bf16"] = bench(manual)
-    fmask = torch.zeros(B,1,mq,mkv).masked_fill(~mask, float("-inf")).to(torch.bfloat16)
-    r["sdpa_bf16_floatmask"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=fmask, enable_gqa=True))
-    if mq > 1:
-        r["sdpa_bf16_causal_nomask"] = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
-    print(B, mkv, mq, {a: round(b, 3) for a, b in r.items()})
+
+
+def bench(fn, n: int = 30) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def decode_paths(b: int, length: int, h: int = 9, hk: int = 3, d: int = 64) -> dict[str, float]:
+    q = torch.randn(b, h, 1, d).to(torch.bfloat16)
+    k = torch.randn(b, hk, length, d).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    mask = torch.ones(b, 1, 1, length, dtype=torch.bool)
+
+    def matmuls():
+        qg = q.view(b, hk, h // hk, d)
+        s = torch.matmul(qg, k.transpose(-1, -2)).float() * d ** -0.5
+        return torch.matmul(torch.softmax(s, -1).to(v.dtype), v)
+
+    return {"sdpa_bf16": bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)),
+            "sdpa_fp32": bench(lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                      attn_mask=mask, enable_gqa=True)),
+            "matmuls_bf16": bench(matmuls)}
+
+
+def prefill_paths(lengths: list[int], h: int = 9, hk: int = 3, d: int = 64) -> dict[str, float]:
+    b, m = len(lengths), max(lengths)
+    qs = [torch.randn(1, h, n, d).to(torch.bfloat16) for n in lengths]
+    ks = [torch.randn(1, hk, n, d).to(torch.bfloat16) for n in lengths]
+    qp = torch.zeros(b, h, m, d, dtype=torch.bfloat16)
+    kp = torch.zeros(b, hk, m, d, dtype=torch.bfloat16)
+    mask = torch.eye(m, dtype=torch.bool).expand(b, 1, m, m).clone()
+    for i, n in enumerate(lengths):
+        qp[i, :, :n], kp[i, :, :n] = qs[i][0], ks[i][0]
+        mask[i, 0, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+    return {"padded_masked_sdpa": bench(lambda: F.scaled_dot_product_attention(qp, kp, kp, attn_mask=mask,
+                                                                               enable_gqa=True), 5),
+            "per_sequence_causal_sdpa": bench(lambda: [F.scaled_dot_product_attention(q, k, k, is_causal=True,
+                                                                                      enable_gqa=True)
+                                                       for q, k in zip(qs, ks)], 5)}
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    for b, length in ((1, 300), (32, 90), (32, 300)):
+        print(f"decode  B={b:<3} L={length:<4}", {k: f"{v:.3f} ms" for k, v in decode_paths(b, length).items()})
+    rng = random.Random(0)
+    lengths = [rng.randint(22, 200) for _ in range(32)]
+    print("prefill 32 seqs of 22-200", {k: f"{v:.2f} ms" for k, v in prefill_paths(lengths).items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -73,8 +73,9 @@ class ModelRunner:
         self.device = device
         layers = model.attention_layers
         self.attn = ATTENTION(layers, block_size, dtype, device)
-        self.kv_caches = [torch.zeros(2, num_blocks, block_size, layer.num_kv_heads, layer.head_size,
-                                      dtype=dtype, device=device) for layer in layers]
+        self.kv_caches = [torch.zeros(self.attn.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads,
+                                                               layer.head_size), dtype=dtype, device=device)
+                          for layer in layers]
         self.block_tables = BlockTableBuffer(max_num_seqs, -(-max_model_len // block_size))
         self.ctx = ForwardContext(self.attn, self.kv_caches)
 

@@ -42,9 +42,14 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Base of every attention provider. KV cache per layer: (2, num_blocks, block_size, num_kv_heads, head_size)."""
+    """Base of every attention provider. Each backend owns its KV cache layout (kv_cache_shape); the default is
+    (2, num_blocks, block_size, num_kv_heads, head_size)."""
 
     supports_graphs = False
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     def __init__(self, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype, device: torch.device):
         self.layers = layers

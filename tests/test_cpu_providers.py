@@ -40,12 +40,14 @@ def test_cpu_attention_matches_native(dtype, tol, shapes, window):
     meta, t = _batch(shapes, block_size, 48, hk, d)
     cache = torch.randn(2, 48, block_size, hk, d).to(dtype)
     q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hk, hk))
-    outs = []
-    for cls in (hal.NativeAttention, CpuAttention):
-        c = cache.clone()
-        backend = cls([layer], block_size, dtype, torch.device("cpu"))
-        backend.plan(meta)
-        outs.append((backend.forward(0, q, k, v, c).float(), c))
-    (ref, ref_cache), (got, got_cache) = outs
-    assert torch.equal(ref_cache, got_cache)
+    native = hal.NativeAttention([layer], block_size, dtype, torch.device("cpu"))
+    native.plan(meta)
+    ref_cache = cache.clone()
+    ref = native.forward(0, q, k, v, ref_cache).float()
+    cpu = CpuAttention([layer], block_size, dtype, torch.device("cpu"))
+    cpu.plan(meta)
+    head_major = cache.permute(0, 3, 1, 2, 4).contiguous()  # its own layout, same contents
+    assert head_major.shape == cpu.kv_cache_shape(48, block_size, hk, d)
+    got = cpu.forward(0, q, k, v, head_major).float()
+    assert torch.equal(head_major.permute(0, 2, 3, 1, 4), ref_cache)
     assert (ref - got).abs().max().item() <= tol

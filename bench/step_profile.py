@@ -1,0 +1,75 @@
+"""Where a decode step's time goes: the model forward vs everything else (scheduling, batch building, attention
+planning, sampling, detokenising), for steady batches of decoding sequences.
+
+    python bench/step_profile.py --batch-sizes 1,8,32,64 --steps 30
+
+Each batch size gets its own engine: N requests with 64-token prompts are prefilled, then --steps decode steps
+are timed. The forward is timed by wrapping the model's forward and compute_logits (the CPU runs them
+synchronously). Target (DESIGN.md): overhead <= 10% of the step at batch 32.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from resin import LLM, SamplingParams
+
+
+def profile(llm: LLM, batch: int, steps: int) -> dict:
+    engine = llm.engine
+    model = engine.runner.model
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*a, **kw):
+            start = time.perf_counter()
+            out = fn(*a, **kw)
+            spent[0] += time.perf_counter() - start
+            return out
+        return call
+
+    forward, logits = model.forward, model.compute_logits
+    model.forward, model.compute_logits = timed(forward), timed(logits)
+    try:
+        for i in range(batch):
+            engine.add_request(f"p{batch}-{i}", [100 + (i * 7 + j) % 5000 for j in range(64)],
+                               SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+                or engine.scheduler.waiting:
+            engine.step()
+        engine.step()
+        spent[0] = 0.0
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - start
+    finally:
+        model.forward, model.compute_logits = forward, logits
+        engine.abort_all()
+    step_ms, fwd_ms = total / steps * 1e3, spent[0] / steps * 1e3
+    return {"batch": batch, "step_ms": step_ms, "forward_ms": fwd_ms, "overhead_ms": step_ms - fwd_ms,
+            "overhead_fraction": (step_ms - fwd_ms) / step_ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,8,32,64")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--out", default="bench/results/step_profile.json")
+    args = ap.parse_args()
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="1GiB")
+    rows = [profile(llm, int(b), args.steps) for b in args.batch_sizes.split(",")]
+    print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'overhead ms':>13}{'overhead':>10}")
+    for r in rows:
+        print(f"{r['batch']:>6}{r['step_ms']:>10.2f}{r['forward_ms']:>12.2f}{r['overhead_ms']:>13.2f}"
+              f"{r['overhead_fraction']:>10.1%}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"dtype": str(llm.dtype), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
