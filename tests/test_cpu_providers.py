@@ -51,3 +51,25 @@ def test_cpu_attention_matches_native(dtype, tol, shapes, window):
     got = cpu.forward(0, q, k, v, head_major).float()
     assert torch.equal(head_major.permute(0, 2, 3, 1, 4), ref_cache)
     assert (ref - got).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("shape", [(1, 576), (7, 130), (3, 5, 64)])
+@pytest.mark.parametrize("out_features", [1, 97, 3072])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_linear_matches_native(shape, out_features, with_bias):
+    from resin.backends.cpu import linear
+    from resin.hal.platform import cpu_platform
+
+    ok, reason = linear.supported(cpu_platform())
+    if not ok:
+        pytest.skip(f"requires a CPU with native bf16 matmul: {reason}")
+    x = torch.randn(*shape).to(torch.bfloat16)
+    w = torch.randn(out_features, shape[-1]).to(torch.bfloat16)
+    b = torch.randn(out_features).to(torch.bfloat16) if with_bias else None
+    assert linear.supports_args(x, w, b) is None
+    ref = hal.LINEAR.native(x, w, b).float()
+    for _ in range(2):  # the second call uses the weight packed by the first
+        got = linear.onednn_linear(x, w, b).float()
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max().item() <= 1e-2 * max(1.0, ref.abs().max().item())
+    assert linear.supports_args(x.float(), w.float()) is not None  # fp32 stays on native

@@ -31,7 +31,12 @@ def test_cpu_selection_table():
     assert sel.platform.kind == "cpu" and sel.backend.name == "cpu"
     assert set(sel.table) == set(hal.all_ops())
     assert [p.name for p in sel.table["attention"].chain] == ["cpu", "native"]
-    assert all(choice.chosen == "native" for name, choice in sel.table.items() if name != "attention")
+    linear_chain = [p.name for p in sel.table["linear"].chain]
+    if sel.platform.has_native_bf16_matmul():
+        assert linear_chain == ["onednn", "native"]
+    else:
+        assert linear_chain == ["native"] and sel.table["linear"].skipped[0][0] == "onednn"
+    assert all(c.chosen == "native" for name, c in sel.table.items() if name not in ("attention", "linear"))
     text = sel.format_table()
     assert "rms_norm" in text and "only provider on this backend" in text and "first in priority order" in text
 
