@@ -8,6 +8,8 @@ import pytest
 from resin import LLM, SamplingParams
 from resin.models import MODEL_REGISTRY
 
+pytestmark = pytest.mark.unit
+
 
 def test_unknown_architecture_lists_supported(tiny_models, tmp_path):
     folder, _ = tiny_models["LlamaForCausalLM"]

@@ -9,6 +9,8 @@ from resin.core.prefix_cache import block_hashes
 from resin.core.request import Request
 from resin.core.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 def req(rid, tokens):
     return Request(rid, list(tokens), SamplingParams(max_tokens=4), max_tokens=4)

@@ -9,6 +9,8 @@ from resin import LLM, SamplingParams
 from resin.builtin import BUILTIN_NAME, MARKER, ensure_builtin_model
 from resin.parity import run_parity
 
+pytestmark = pytest.mark.parity
+
 
 @pytest.fixture(scope="module")
 def builtin():

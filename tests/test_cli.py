@@ -11,6 +11,8 @@ import pytest
 from resin.cli import main
 from resin.models import MODEL_REGISTRY, llama
 
+pytestmark = pytest.mark.e2e
+
 RESIN = [sys.executable, "-m", "resin.cli"]
 
 

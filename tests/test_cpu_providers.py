@@ -7,6 +7,8 @@ import torch
 from resin import hal
 from resin.backends.cpu.attention import CpuAttention
 
+pytestmark = pytest.mark.kernels
+
 
 def _batch(shapes, block_size, num_blocks, hk, d):
     perm = torch.randperm(num_blocks).tolist()
@@ -73,3 +75,4 @@ def test_onednn_linear_matches_native(shape, out_features, with_bias):
         assert got.shape == ref.shape
         assert (got - ref).abs().max().item() <= 1e-2 * max(1.0, ref.abs().max().item())
     assert linear.supports_args(x.float(), w.float()) is not None  # fp32 stays on native
+

@@ -6,6 +6,8 @@ import pytest
 from conftest import CORPUS
 from resin.core.detokenizer import IncrementalDetokenizer
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("text", CORPUS)
 def test_incremental_text_equals_full_decode(bpe_tokenizer, text):

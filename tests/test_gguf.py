@@ -10,6 +10,8 @@ from parity import LogitsRecorder, run_and_compare
 from resin import LLM
 from resin.models.gguf_loader import unpermute_qk
 
+pytestmark = pytest.mark.parity
+
 GGUF_ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",

@@ -9,6 +9,8 @@ import torch
 from resin import hal
 from resin.hal.rotary import inverse_frequencies
 
+pytestmark = pytest.mark.unit
+
 
 def f64(x):
     return x.detach().to(torch.float64)

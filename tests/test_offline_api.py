@@ -6,6 +6,8 @@ import pytest
 
 from resin import LLM, SamplingParams
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def llm(text_model):

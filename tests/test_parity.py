@@ -12,6 +12,8 @@ from conftest import ARCHS, save_tiny
 from parity import LogitsRecorder, hf_greedy, hf_logits, run_and_compare
 from resin import LLM, SamplingParams
 
+pytestmark = pytest.mark.parity
+
 TOL = 1e-3
 
 

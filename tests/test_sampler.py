@@ -1,11 +1,15 @@
 """Sampler: greedy, masks, penalties, the draw's distribution, seeds independent of the batch, logprobs."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from resin.core.request import Request
 from resin.core.sampler import Sampler, apply_top_k_top_p_min_p
 from resin.core.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.unit
 
 
 def req(params, prompt=(1, 2, 3), outputs=(), eos=frozenset(), rid="r"):

@@ -1,10 +1,14 @@
 """Scheduler: token budget, chunked prefill, decode-first order, max_num_seqs, preemption newest-first."""
 from __future__ import annotations
 
+import pytest
+
 from resin.core.kv_cache_manager import KVCacheManager
 from resin.core.request import Request, Status
 from resin.core.sampling_params import SamplingParams
 from resin.core.scheduler import Scheduler
+
+pytestmark = pytest.mark.unit
 
 
 def req(rid, n, max_tokens=8):

@@ -13,6 +13,8 @@ import pytest
 from resin import LLM, SamplingParams
 from server_utils import ServerProcess
 
+pytestmark = pytest.mark.e2e
+
 NAME = "tiny"
 
 

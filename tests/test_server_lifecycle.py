@@ -12,6 +12,8 @@ import pytest
 from resin.tiny import save_tiny_model
 from server_utils import ServerProcess
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory):

@@ -1,0 +1,86 @@
+"""python -m resin.ci run --vendor cpu|cuda|rocm [--runner LABEL] [--groups a,b]
+python -m resin.ci workflow [--write | --check]"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from resin.ci.matrix import Cell, load_matrix
+from resin.ci.workflow import WORKFLOW_FILE, render
+
+
+def run_cell(cell: Cell, present: str) -> tuple[str, float]:
+    if cell.requires is not None and cell.requires != present:
+        return f"skipped: requires {cell.requires} GPU", 0.0
+    cmd = [sys.executable, "-m", "pytest", *cell.pytest_args()] if cell.markers else shlex.split(cell.command)
+    env = {**os.environ, **cell.env, "RESIN_TEST_BACKEND": cell.vendor}
+    start = time.monotonic()
+    try:
+        rc = subprocess.run(cmd, env=env, timeout=cell.budget_minutes * 60).returncode
+    except subprocess.TimeoutExpired:
+        return f"FAILED: over its {cell.budget_minutes}-minute budget", time.monotonic() - start
+    status = {0: "passed", 5: "no tests selected"}.get(rc, f"FAILED (exit {rc})")
+    return status, time.monotonic() - start
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from resin.hal import detect_kind
+
+    matrix = load_matrix()
+    cells = matrix.column(args.vendor)
+    if args.groups:
+        wanted = set(args.groups.split(","))
+        cells = [c for c in cells if c.group in wanted]
+    runner = args.runner or matrix.vendors[args.vendor]["runners"][0]
+    present = detect_kind()
+    rows = [(c.group, *run_cell(c, present)) for c in cells]
+    print(f"\nvendor {args.vendor}, runner {runner}, this machine: {present}")
+    width = max(len(r[0]) for r in rows)
+    for group, status, seconds in rows:
+        print(f"  {group:<{width}}  {status:<40} {seconds:7.1f}s")
+    return 1 if any(r[1].startswith("FAILED") for r in rows) else 0
+
+
+def cmd_workflow(args: argparse.Namespace) -> int:
+    text = render()
+    if args.write:
+        WORKFLOW_FILE.parent.mkdir(parents=True, exist_ok=True)
+        WORKFLOW_FILE.write_text(text)
+        print(f"wrote {WORKFLOW_FILE}")
+    elif args.check:
+        current = Path(WORKFLOW_FILE).read_text() if WORKFLOW_FILE.exists() else ""
+        if current != text:
+            print(f"{WORKFLOW_FILE} is stale: run python -m resin.ci workflow --write", file=sys.stderr)
+            return 1
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m resin.ci", description="The per-vendor CI matrix.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("run", help="run one vendor column and print a summary table")
+    p.add_argument("--vendor", required=True)
+    p.add_argument("--runner", default=None, help="the runner label, for the summary (default: the first)")
+    p.add_argument("--groups", default=None, help="only these groups, comma-separated")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("workflow", help="print, --write or --check .github/workflows/ci.yml")
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--check", action="store_true")
+    p.set_defaults(func=cmd_workflow)
+    args = ap.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
