@@ -8,6 +8,8 @@ from resin import hal
 from resin.hal.platform import cpu_platform, fp8_dtype_for_arch, hypothetical_platform
 from resin.hal.registry import SelectionError, activate, deactivate, resolve
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def fake_providers():
