@@ -192,3 +192,19 @@ def test_disconnect_aborts_and_frees_blocks(server):
     assert m["resin:kv_cache_usage_perc"] == 0 and m["resin:num_requests_running"] == 0
     assert m["resin:request_aborted_total"] == before["resin:request_aborted_total"] + 1
     assert m["resin:generation_tokens_total"] - before["resin:generation_tokens_total"] < 2000
+
+
+def test_non_streaming_client_gone_aborts(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", timeout=1.0,
+                   json={"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["resin:num_requests_running"] == 0 and m["resin:kv_cache_usage_perc"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["resin:num_requests_running"] == 0 and m["resin:kv_cache_usage_perc"] == 0
+    assert m["resin:request_aborted_total"] == before["resin:request_aborted_total"] + 1
+    assert m["resin:generation_tokens_total"] - before["resin:generation_tokens_total"] < 2000

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hmac
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 
@@ -38,16 +38,17 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         state.shutting_down = True
         state.engine.stop()
 
-    app = FastAPI(title="Resin", version=resin.__version__, lifespan=lifespan)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
+    async def check_api_key(request: Request) -> None:
+        # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, and then a
+        # non-streaming handler can no longer see that its client disconnected.
+        if api_key:
             header = request.headers.get("authorization", "")
             given = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), api_key.encode()):
-                return error_response(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
-        return await call_next(request)
+                raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
+
+    app = FastAPI(title="Resin", version=resin.__version__, lifespan=lifespan)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -58,18 +59,20 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def on_api_error(request: Request, exc: APIError):
         return exc.response()
 
-    @app.post("/v1/completions")
+    @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request):
         return await create_completion(state, body, raw)
 
-    @app.post("/v1/chat/completions")
+    @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(state, body, raw)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": state.created,
                                             "owned_by": "resin", "max_model_len": state.max_model_len}]}
+
+    app.include_router(v1)
 
     @app.get("/health")
     async def health():
