@@ -172,6 +172,17 @@ def test_metrics_parse_and_move(server):
         assert gauge in after
 
 
+def wait_idle(server, timeout: float = 10) -> dict[str, float]:
+    """Metrics once nothing runs and no KV block is held (or after the timeout, for the caller to assert on)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        idle = m["resin:num_requests_running"] == 0 and m["resin:kv_cache_usage_perc"] == 0
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
 def test_disconnect_aborts_and_frees_blocks(server):
     before = server.metrics()
     with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
@@ -183,12 +194,7 @@ def test_disconnect_aborts_and_frees_blocks(server):
                 mid = server.metrics()  # still streaming: the request holds blocks
                 break  # leaving the loop closes the response: the client is gone
     assert mid["resin:kv_cache_usage_perc"] > 0 and mid["resin:num_requests_running"] == 1
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["resin:kv_cache_usage_perc"] == 0 and m["resin:num_requests_running"] == 0:
-            break
-        time.sleep(0.05)
+    m = wait_idle(server)
     assert m["resin:kv_cache_usage_perc"] == 0 and m["resin:num_requests_running"] == 0
     assert m["resin:request_aborted_total"] == before["resin:request_aborted_total"] + 1
     assert m["resin:generation_tokens_total"] - before["resin:generation_tokens_total"] < 2000
@@ -199,12 +205,7 @@ def test_non_streaming_client_gone_aborts(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", timeout=1.0,
                    json={"prompt": "Hello", "max_tokens": 2000, "ignore_eos": True})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        m = server.metrics()
-        if m["resin:num_requests_running"] == 0 and m["resin:kv_cache_usage_perc"] == 0:
-            break
-        time.sleep(0.1)
+    m = wait_idle(server)
     assert m["resin:num_requests_running"] == 0 and m["resin:kv_cache_usage_perc"] == 0
     assert m["resin:request_aborted_total"] == before["resin:request_aborted_total"] + 1
     assert m["resin:generation_tokens_total"] - before["resin:generation_tokens_total"] < 2000
