@@ -27,8 +27,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, token_id: int) -> str | None:
-        """Append a token; returns the stop string it completed (the text is then cut before it), else None."""
+    def add(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append a token; returns the stop string it completed (the text is then cut before it), else None.
+        With check_stop False (before min_tokens) stop strings are not looked for."""
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -37,7 +38,7 @@ class IncrementalDetokenizer:
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
-        return self._check_stop(len(delta))
+        return self._check_stop(len(delta)) if check_stop else None
 
     def _check_stop(self, delta_len: int) -> str | None:
         """Cut the text before the earliest stop string that the new text completed."""

@@ -185,7 +185,7 @@ class LLMEngine:
             seq.logprobs.append(logprobs_dict(token, lp, self._decoder()))
         detok = self.groups[seq.parent_id].detoks[seq.index]
         params = seq.params
-        stop_str = detok.add(token) if detok is not None else None
+        stop_str = detok.add(token, seq.num_output_tokens >= params.min_tokens) if detok is not None else None
         if stop_str is not None:
             seq.finish("stop", stop_str)
         elif not params.ignore_eos and token in seq.eos_token_ids:

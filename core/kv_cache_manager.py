@@ -31,11 +31,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.pool.stats.queried_blocks += max_blocks
-        self.pool.stats.hit_blocks += len(hits)
+        req.prefix_query = (max_blocks, len(hits))  # counted by count_prefix_query once admission succeeds
         self.pool.touch(hits)
         req.block_ids = hits
         return len(hits) * self.block_size
+
+    def count_prefix_query(self, req: Request) -> None:
+        queried, hit = req.prefix_query
+        self.pool.stats.queried_blocks += queried
+        self.pool.stats.hit_blocks += hit
+        req.prefix_query = (0, 0)
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more tokens of req; False (and no change) if the pool is short."""

@@ -115,10 +115,11 @@ class ModelRunner:
         q0 = qsl.tolist()
         for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
             if r.wants_prompt_logprobs:
+                first = max(s, len(r.prompt_logprobs) - 1)  # the first position not reported yet
                 end = min(s + n, r.num_prompt_tokens - 1)
-                if end > s:
-                    prompt_spans.append((r, s, end - s))
-                    indices.extend(range(q0[i], q0[i] + end - s))
+                if end > first:
+                    prompt_spans.append((r, first, end - first))
+                    indices.extend(range(q0[i] + first - s, q0[i] + end - s))
         num_prompt_rows = len(indices)
         for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
             if s + n == r.num_tokens:

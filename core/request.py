@@ -40,6 +40,7 @@ class Request:
     logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_preemptions: int = 0
+    prefix_query: tuple[int, int] = (0, 0)  # (blocks looked up, blocks hit) at the last admission attempt
     first_token_time: float | None = None
     generator: torch.Generator | None = field(default=None, repr=False)  # set by the engine for seeded requests
 
@@ -72,7 +73,9 @@ class Request:
 
     @property
     def wants_prompt_logprobs(self) -> bool:
-        return self.prompt_logprobs is not None and self.num_computed_tokens < self.num_prompt_tokens
+        """Prompt positions still lack logprobs. Counted by the list, not by computed tokens: a preempted
+        request recomputes its prompt but must not report those positions twice."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = Status.FINISHED

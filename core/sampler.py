@@ -80,15 +80,15 @@ class Sampler:
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
         device = logits.device
-        if any(x != 0.0 for x in freq + pres):
-            counts = token_counts([r.output_token_ids for r in reqs], self.vocab_size, device)
-            logits = (logits - torch.tensor(freq, device=device).unsqueeze(1) * counts
-                      - torch.tensor(pres, device=device).unsqueeze(1) * (counts > 0))
         if any(x != 1.0 for x in rep):
             seen = token_counts([r.token_ids for r in reqs], self.vocab_size, device) > 0
             penalty = torch.tensor(rep, device=device).unsqueeze(1)
             scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
             logits = torch.where(seen, scaled, logits)
+        if any(x != 0.0 for x in freq + pres):
+            counts = token_counts([r.output_token_ids for r in reqs], self.vocab_size, device)
+            logits = (logits - torch.tensor(freq, device=device).unsqueeze(1) * counts
+                      - torch.tensor(pres, device=device).unsqueeze(1) * (counts > 0))
         return logits
 
     def _draw(self, logits: torch.Tensor, temps: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -134,7 +134,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: list[int], top_p: list[
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        drop = before >= torch.tensor(top_p, device=device).unsqueeze(1)
+        p = torch.tensor(top_p, device=device).unsqueeze(1)
+        drop = (before >= p) & (p < 1.0)  # fp32 cumsum rounding must not trim rows that asked for no top-p
         drop[:, 0] = False  # always keep the most likely token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)

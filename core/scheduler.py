@@ -71,6 +71,7 @@ class Scheduler:
                 self.kv.free(req)  # drop the prefix-cache references; the blocks stay cached and evictable
                 req.num_computed_tokens = req.num_cached_tokens = 0
                 break
+            self.kv.count_prefix_query(req)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)

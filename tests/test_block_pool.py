@@ -8,6 +8,7 @@ from resin.core.kv_cache_manager import KVCacheManager
 from resin.core.prefix_cache import block_hashes
 from resin.core.request import Request
 from resin.core.sampling_params import SamplingParams
+from resin.core.scheduler import Scheduler
 
 pytestmark = pytest.mark.unit
 
@@ -40,24 +41,44 @@ def test_chained_hashes_depend_on_everything_before():
     assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, parents=a[:1]) == a
 
 
+def admit(kv, r):
+    """An admission that succeeds: the lookup, then its statistics."""
+    tokens = kv.admit_cached_prefix(r)
+    kv.count_prefix_query(r)
+    return tokens
+
+
 def test_prefix_hit_miss_and_refcounts():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     first = req("a", range(10))
-    assert kv.admit_cached_prefix(first) == 0
+    assert admit(kv, first) == 0
     assert kv.allocate(first, 10)
     first.num_computed_tokens = 10
     kv.cache_full_blocks(first)  # two full blocks indexed
     second = req("b", list(range(8)) + [99, 98, 97])
-    assert kv.admit_cached_prefix(second) == 8
+    assert admit(kv, second) == 8
     assert second.block_ids == first.block_ids[:2]
     assert kv.pool.ref_counts[first.block_ids[0]] == 2
     assert kv.pool.stats.hit_blocks == 2 and kv.pool.stats.queried_blocks == 4  # the first admission missed 2
     # a prompt that is exactly cached still leaves its last token to compute
     third = req("c", range(8))
-    assert kv.admit_cached_prefix(third) == 4
+    assert admit(kv, third) == 4
     miss = req("d", [5] * 9)
-    assert kv.admit_cached_prefix(miss) == 0
+    assert admit(kv, miss) == 0
     assert kv.pool.stats.queried_blocks == 4 + 1 + 2 and kv.pool.stats.hit_blocks == 3
+
+
+def test_failed_admissions_do_not_count_as_queries():
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    big, waiting = req("big", range(10)), req("w", range(20, 30))
+    sched.add(big)
+    sched.add(waiting)
+    for _ in range(3):  # "w" cannot get blocks while "big" holds them: looked up and released each step
+        batch = sched.schedule()
+        assert batch.requests == [big]
+        big.num_computed_tokens = big.num_tokens
+    assert kv.pool.stats.queried_blocks == 2  # only big's one successful admission
 
 
 def test_lru_eviction_prefers_least_recently_freed_and_tail_blocks():

@@ -36,6 +36,17 @@ def test_stop_string_cuts_text(llm):
     assert cut.text == text[:text.index(stop)]
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    free = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text[2:4]
+    early = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]),
+                         use_tqdm=False)[0].outputs[0]
+    late = llm.generate("The quick", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                    min_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert len(early.token_ids) < 20 <= len(late.token_ids)
+
+
 def test_stop_token_ids_and_eos(llm):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     free = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0]

@@ -129,3 +129,20 @@ def test_sharded_checkpoint_loads(tmp_path):
     rec = LogitsRecorder()
     llm = make_llm(tmp_path / "sharded", rec)
     run_and_compare(llm, rec, hf, prompts_of([12, 4], 211, seed=1), max_tokens=3, tol=TOL)
+
+
+def test_prompt_logprobs_survive_preemption(tiny_models):
+    folder, hf = tiny_models["LlamaForCausalLM"]
+    c = hf.config
+    per_block = c.num_hidden_layers * 2 * 16 * c.num_key_value_heads * c.head_dim * 4
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory=per_block * 12)
+    prompts = prompts_of([30, 25, 20, 35], 211, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0 if i == 3 else None)
+              for i in range(4)]
+    out = llm.generate(prompts, params, use_tqdm=False)[3]
+    assert llm.engine.num_preemptions > 0
+    assert len(out.prompt_logprobs) == len(prompts[3])
+    ref = torch.log_softmax(hf_logits(hf, prompts[3]), dim=-1)
+    for pos in range(1, len(prompts[3])):
+        tok = prompts[3][pos]
+        assert abs(out.prompt_logprobs[pos][tok].logprob - ref[pos - 1, tok].item()) <= TOL

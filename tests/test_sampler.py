@@ -59,6 +59,19 @@ def test_penalties():
     assert torch.allclose(got, want)  # prompt token 0 untouched by presence/frequency
 
 
+def test_repetition_penalty_applies_before_presence():
+    logits = torch.tensor([[0.3, 1.0, -1.0]])
+    r = req(SamplingParams(temperature=0, repetition_penalty=1.2, presence_penalty=0.5), prompt=[2], outputs=[0])
+    got = Sampler(3)._penalise(logits.clone(), [r])
+    assert torch.allclose(got, torch.tensor([[0.3 / 1.2 - 0.5, 1.0, -1.2]]))
+
+
+def test_top_p_one_leaves_row_untouched_in_mixed_batch():
+    logits = torch.randn(2, 5000) * 8
+    masked = apply_top_k_top_p_min_p(logits.clone(), [0, 0], [1.0, 0.5], [0.0, 0.0])
+    assert torch.isfinite(masked[0]).all() and not torch.isfinite(masked[1]).all()
+
+
 def test_min_tokens_masks_stop_tokens():
     logits = torch.zeros(1, 8)
     logits[0, 7] = 10.0

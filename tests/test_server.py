@@ -82,6 +82,28 @@ def test_sampling_options_logprobs_n_echo(server):
     assert all(len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.logprob - 1e-6 for e in content)
 
 
+def test_stream_n2_finishes_each_choice_once_and_offsets_add_up(server):
+    client = server.client()
+    opts = dict(model=NAME, prompt="The quick", max_tokens=30, temperature=1.0, seed=11, n=2,
+                extra_body={"ignore_eos": True})
+    texts = [c.text for c in sorted(client.completions.create(**opts).choices, key=lambda c: c.index)]
+    stop = next(texts[0][i:i + 2] for i in range(1, len(texts[0]) - 2) if texts[0][i:i + 2] not in texts[1])
+    finals = {0: 0, 1: 0}
+    tokens = {0: [], 1: []}
+    offsets = {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, stop=[stop], logprobs=1, **opts):
+        for c in chunk.choices:
+            finals[c.index] += c.finish_reason is not None
+            if c.logprobs:
+                tokens[c.index] += c.logprobs.tokens
+                offsets[c.index] += c.logprobs.text_offset
+    assert finals == {0: 1, 1: 1}
+    for i in (0, 1):
+        want = [sum(len(t) for t in tokens[i][:k]) for k in range(len(tokens[i]))]
+        assert offsets[i] == want
+    assert len(tokens[0]) < len(tokens[1]) == 30
+
+
 def test_64_concurrent_streams_batched_and_equal_to_offline(server, offline):
     rng = random.Random(0)
     words = "the quick brown fox jumps over lazy dog Paris capital France hello world".split()

@@ -45,7 +45,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._pending = 0  # submitted, not yet taken by the engine thread
+        self._pending = 0  # submitted, not yet taken by the engine thread (changed from both threads)
+        self._pending_lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="resin-engine", daemon=True)
         self.error: BaseException | None = None
@@ -81,7 +82,11 @@ class AsyncEngine:
             raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._pending += 1
+        if self.error is not None:  # died between the check above and the registration
+            self._streams.pop(request_id, None)
+            raise EngineDead("the engine is not running")
+        with self._pending_lock:
+            self._pending += 1
         self._post(("add", request_id, prompt_ids, params, prompt))
         finished = False
         try:
@@ -117,7 +122,8 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 _, rid, ids, params, prompt = cmd
-                self._pending -= 1
+                with self._pending_lock:
+                    self._pending -= 1
                 if rid not in self._streams:
                     continue  # the client left before the engine saw the request
                 try:

@@ -57,6 +57,7 @@ async def _stream(req: ChatCompletionRequest, prompt_len: int, outputs: AsyncIte
                   timer: RequestTimer) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    done: set[int] = set()  # choices whose final chunk went out
     last: RequestOutput | None = None
     top = req.top_logprobs or 0
     try:
@@ -67,6 +68,8 @@ async def _stream(req: ChatCompletionRequest, prompt_len: int, outputs: AsyncIte
             last = out
             timer.observe([out])
             for c in out.outputs:
+                if c.index in done:
+                    continue
                 start_tok, start_txt = sent_tokens.get(c.index, 0), sent_text.get(c.index, 0)
                 delta = c.text[start_txt:]
                 if not delta and len(c.token_ids) == start_tok and c.finish_reason is None:
@@ -75,6 +78,8 @@ async def _stream(req: ChatCompletionRequest, prompt_len: int, outputs: AsyncIte
                 if req.logprobs:
                     lp = chat_logprobs(c.token_ids[start_tok:], (c.logprobs or [])[start_tok:len(c.token_ids)], top)
                 sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                if c.finish_reason is not None:
+                    done.add(c.index)
                 yield sse({**head, "choices": [{"index": c.index, "delta": {"content": delta} if delta else {},
                                                 "logprobs": lp, "finish_reason": c.finish_reason}]})
         if last is not None:

@@ -70,6 +70,8 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts, outputs: 
                   timer: RequestTimer) -> AsyncIterator[str]:
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    offsets: dict[int, int] = {}  # text_offset of the next logprob token, per choice
+    done: set[int] = set()  # choices whose final chunk went out
     latest: dict[int, RequestOutput] = {}
     try:
         async for i, out in outputs:
@@ -77,6 +79,8 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts, outputs: 
             timer.observe(list(latest.values()))
             for c in out.outputs:
                 idx = i * req.n + c.index
+                if idx in done:
+                    continue
                 first = idx not in sent_text
                 start_tok, start_txt = sent_tokens.get(idx, 0), sent_text.get(idx, 0)
                 delta = c.text[start_txt:]
@@ -84,8 +88,12 @@ async def _stream(state: ServerState, req: CompletionRequest, prompts, outputs: 
                     delta = (prompts[i][0] or "") + delta
                 if not delta and len(c.token_ids) == start_tok and c.finish_reason is None and not first:
                     continue
-                lp = _choice_logprobs(req, out, c, start_tok, len(c.token_ids), start_txt)
+                lp = _choice_logprobs(req, out, c, start_tok, len(c.token_ids), offsets.get(idx, 0))
+                if lp and lp["tokens"]:
+                    offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
                 sent_text[idx], sent_tokens[idx] = len(c.text), len(c.token_ids)
+                if c.finish_reason is not None:
+                    done.add(idx)
                 yield sse({**head, "choices": [{"index": idx, "text": delta, "logprobs": lp,
                                                 "finish_reason": c.finish_reason}]})
         timer.finish(list(latest.values()))
