@@ -23,7 +23,6 @@ def parse_bytes(value: int | float | str) -> int:
 @dataclass
 class EngineConfig:
     max_model_len: int
-    kv_cache_bytes: int
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048

@@ -109,7 +109,7 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
                     capacity, max_model_len, capacity)
         max_model_len = capacity
     config = EngineConfig(
-        max_model_len=max_model_len, kv_cache_bytes=budget, block_size=args.block_size,
+        max_model_len=max_model_len, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(max_model_len, 8192)),
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)

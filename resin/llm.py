@@ -6,6 +6,7 @@ from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from resin.core.engine import LogitsObserver
 from resin.core.outputs import CompletionOutput, RequestOutput
 from resin.core.sampling_params import SamplingParams
 from resin.engine_builder import EngineArgs, build_engine
@@ -16,12 +17,15 @@ Prompt = str | list[int]
 class LLM:
     def __init__(self, model: str | None = None, backend: str = "auto", dtype: str | None = None,
                  kv_cache_memory: int | str | None = None, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, enable_prefix_caching: bool = True, seed: int = 0, **kwargs: Any):
+                 max_num_seqs: int = 256, enable_prefix_caching: bool = True, seed: int = 0,
+                 logits_observer: LogitsObserver | None = None, **kwargs: Any):
+        """kwargs: further EngineArgs (max_num_batched_tokens, block_size, ops). logits_observer sees the
+        logits of every sampled row (the parity gate uses it)."""
         args = EngineArgs(model=model, backend=backend, dtype=dtype, kv_cache_memory=kv_cache_memory,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           enable_prefix_caching=enable_prefix_caching, seed=seed,
-                          **{k: v for k, v in kwargs.items() if k != "logits_observer"})
-        built = build_engine(args, logits_observer=kwargs.get("logits_observer"))
+                          **kwargs)
+        built = build_engine(args, logits_observer=logits_observer)
         self.engine = built.engine
         self.tokenizer = built.tokenizer
         self.selection = built.selection

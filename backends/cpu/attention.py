@@ -114,7 +114,7 @@ class CpuAttention(AttentionBackend):
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer, p: _Prefill) -> torch.Tensor:
         """q (q_len, H, D) of one sequence whose context is p.seq_len tokens (the chunk is its tail)."""
-        h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+        h, hk = layer.num_heads, layer.num_kv_heads
         kv = kv_cache[:, :, p.blocks].flatten(2, 3)[:, :, :p.seq_len]  # (2, Hk, seq_len, D)
         keys, values = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, q_len, D)
