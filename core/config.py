@@ -28,6 +28,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     seed: int = 0
+    graphs: bool = False  # replay decode steps from graphs captured per batch bucket (GPU backends)
+    max_graph_batch: int = 256  # larger decode batches run eagerly
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -60,7 +60,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs,
-                                  config.max_model_len, dtype, device)
+                                  config.max_model_len, dtype, device,
+                                  graph_batch=min(config.max_num_seqs, config.max_graph_batch) if config.graphs else 0)
         self.sampler = Sampler(vocab_size, torch.Generator(device=device).manual_seed(config.seed))
         self.logits_observer = logits_observer
         self.groups: dict[str, _Group] = {}

@@ -7,14 +7,19 @@ new since the last step. Logits are computed only at positions that are sampled 
 """
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
+from resin.core.graph_runner import DecodeGraphs
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
 from resin.hal import ATTENTION, AttentionLayer, AttentionMetadata, ForwardContext
+
+log = logging.getLogger("resin.runner")
 
 
 class CausalLM(Protocol):
@@ -67,17 +72,33 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, dtype: torch.dtype, device: torch.device):
+                 max_model_len: int, dtype: torch.dtype, device: torch.device, graph_batch: int = 0):
+        """graph_batch > 0: capture decode graphs for batches up to that size (if the attention provider is
+        graph-safe; else say so and run eagerly)."""
         self.model = model
         self.block_size = block_size
         self.device = device
         layers = model.attention_layers
         self.attn = ATTENTION(layers, block_size, dtype, device)
-        self.kv_caches = [torch.zeros(self.attn.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads,
+        graphs = graph_batch > 0 and self.attn.supports_graphs
+        if graph_batch > 0 and not graphs:
+            log.warning("decode graphs off: attention provider %s is not graph-safe", type(self.attn).__name__)
+        # With graphs, one extra block past the pool's is the scratch block that padding rows write to.
+        cache_blocks = num_blocks + 1 if graphs else num_blocks
+        self.kv_caches = [torch.zeros(self.attn.kv_cache_shape(cache_blocks, block_size, layer.num_kv_heads,
                                                                layer.head_size), dtype=dtype, device=device)
                           for layer in layers]
-        self.block_tables = BlockTableBuffer(max_num_seqs, -(-max_model_len // block_size))
+        max_blocks = -(-max_model_len // block_size)
+        self.block_tables = BlockTableBuffer(max_num_seqs, max_blocks)
         self.ctx = ForwardContext(self.attn, self.kv_caches)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            start = time.perf_counter()
+            self.graphs = DecodeGraphs(model.forward, self.ctx, graph_batch, max_blocks,
+                                       scratch_block=num_blocks, block_size=block_size, device=device)
+            self.graphs.capture()
+            log.info("captured decode graphs for batch sizes %s in %.1f s", self.graphs.buckets,
+                     time.perf_counter() - start)
 
     def release(self, req: Request) -> None:
         self.block_tables.release(req)
@@ -103,12 +124,16 @@ class ModelRunner:
         slots += positions % self.block_size
 
         dev = self.device
-        meta = AttentionMetadata(
-            query_start_loc=qsl.to(dev), seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev),
-            block_tables=block_tables.to(dev), slot_mapping=slots.to(dev),
-            max_query_len=max(counts), max_seq_len=max_seq_len)
-        self.attn.plan(meta)
-        hidden = self.model.forward(torch.tensor(flat).to(dev), positions.to(dev), self.ctx)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        if self.graphs is not None and num_tokens == len(reqs) and self.graphs.bucket_for(num_tokens):
+            hidden = self.graphs.run(torch.tensor(flat), positions, seq_lens_t, block_tables, slots, max_seq_len)
+        else:
+            meta = AttentionMetadata(
+                query_start_loc=qsl.to(dev), seq_lens=seq_lens_t.to(dev), block_tables=block_tables.to(dev),
+                slot_mapping=slots.to(dev), max_query_len=max(counts), max_seq_len=max_seq_len,
+                query_start_loc_host=qsl)
+            self.attn.plan(meta)
+            hidden = self.model.forward(torch.tensor(flat).to(dev), positions.to(dev), self.ctx)
 
         sample_reqs, indices = [], []
         prompt_spans: list[tuple[Request, int, int]] = []

@@ -3,6 +3,8 @@ backend selection and the attention-backend contract. Models call these ops; bac
 from resin.hal.attention import (ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext,
                                  NativeAttention,
                                  write_kv)
+from resin.hal.fp8 import FP8_LINEAR, e4m3fn_to_e4m3fnuz, quantize_fp8
+from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import (EMBEDDING, FUSED_ADD_RMS_NORM, GELU_AND_MUL, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL)
 from resin.hal.platform import Platform, detect_kind
 from resin.hal.registry import Op, OpChoice, Provider, SelectionError, all_ops
@@ -12,6 +14,7 @@ from resin.hal.selection import BACKENDS, BackendSpec, Selection, describe_backe
 __all__ = [
     "ATTENTION", "AttentionBackend", "AttentionLayer", "AttentionMetadata", "ForwardContext", "NativeAttention",
     "write_kv",
+    "FP8_LINEAR", "e4m3fn_to_e4m3fnuz", "quantize_fp8", "FUSED_MOE", "MOE_ROUTE",
     "EMBEDDING", "FUSED_ADD_RMS_NORM", "GELU_AND_MUL", "LINEAR", "RMS_NORM", "ROTARY", "SILU_AND_MUL",
     "Platform", "detect_kind", "Op", "OpChoice", "Provider", "SelectionError", "all_ops", "rope_cos_sin_cache",
     "BACKENDS", "BackendSpec", "Selection", "describe_backend", "select_backend",

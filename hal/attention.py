@@ -35,6 +35,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # (T,) int64: cache slot (block * block_size + offset) of each new token
     max_query_len: int
     max_seq_len: int
+    query_start_loc_host: torch.Tensor | None = None  # the same offsets on the CPU, so plans need no device sync
 
     @property
     def num_seqs(self) -> int:
@@ -69,12 +70,15 @@ class AttentionBackend:
                 kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    # Graph hooks: allocate state for batches up to max_batch, then re-plan into it before each replay.
+    # Graph hooks. capture_state(max_batch) allocates what replays need; plan_for_replay(batch_size, meta) plans a
+    # decode-only batch padded to batch_size. A backend with supports_graphs=True makes the launch a function of
+    # batch_size alone (lengths and tables are read from device memory), so a captured graph stays valid. These
+    # defaults (nothing to allocate; plan as usual) are right for eager replay only.
     def capture_state(self, max_batch: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
+        pass
 
     def plan_for_replay(self, batch_size: int, meta: AttentionMetadata) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support graph capture")
+        self.plan(meta)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -26,7 +26,8 @@ def _rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_c
     """Rotate q (T, Hq*D) and k (T, Hk*D) by position. cos_sin_cache is (max_pos, rot_dim): cos | sin halves.
 
     Neox style rotates the two halves of the rotary dims; GPT-J style rotates interleaved pairs. Dims past
-    rot_dim (partial rotary) pass through.
+    rot_dim (partial rotary) pass through. Callers use the returned tensors: a provider may rotate q and k in
+    place and return them (aiter does).
     """
     cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)  # (T, rot_dim/2) each
     return _rotate(q, cos, sin, head_size, is_neox), _rotate(k, cos, sin, head_size, is_neox)

@@ -1,6 +1,7 @@
 """Platform: facts about the machine, read once. It answers questions; it never edits configuration."""
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field, replace
 
@@ -8,6 +9,8 @@ import torch
 
 # fp8 flavour per architecture family: gfx942 (MI300) uses the "fnuz" encoding (max 240, 0x80 is NaN).
 _FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
+# Optional kernel libraries whose presence decides providers. Import names (PyPI `amd-aiter` imports as aiter).
+OPTIONAL_LIBRARIES = ("triton", "aiter", "flash_attn", "flashinfer")
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,7 @@ class Platform:
     supports_graphs: bool
     dist_backend: str
     cpu_flags: frozenset[str] = field(default_factory=frozenset)
+    libraries: frozenset[str] = field(default_factory=frozenset)  # which OPTIONAL_LIBRARIES are importable
     hypothetical: bool = False  # built for "what would be chosen" questions, not detected
 
     @property
@@ -46,7 +50,13 @@ class Platform:
             ("fp8", str(self.fp8_dtype).removeprefix("torch.") if self.fp8_dtype else "none"),
             ("graphs", "yes" if self.supports_graphs else "no (eager)"),
             ("distributed", self.dist_backend),
+            ("libraries", ", ".join(sorted(self.libraries)) or "none"),
         ]
+
+
+def installed_libraries() -> frozenset[str]:
+    """Importable without importing: aiter's first import JIT-compiles for minutes, so only its spec is looked up."""
+    return frozenset(name for name in OPTIONAL_LIBRARIES if importlib.util.find_spec(name) is not None)
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -83,7 +93,7 @@ def cpu_platform() -> Platform:
     return Platform(
         kind="cpu", device_name=_cpu_name(), arch=f"{os.uname().machine}-{isa}",
         compute_units=os.cpu_count() or 1, memory_total=total, memory_free=free, dtypes=dtypes,
-        fp8_dtype=None, supports_graphs=False, dist_backend="gloo", cpu_flags=flags,
+        fp8_dtype=None, supports_graphs=False, dist_backend="gloo", cpu_flags=flags, libraries=installed_libraries(),
     )
 
 
@@ -118,20 +128,24 @@ def gpu_platform() -> Platform:
     return Platform(
         kind=kind, device_name=props.name, arch=arch, compute_units=props.multi_processor_count,
         memory_total=total, memory_free=free, dtypes=dtypes, fp8_dtype=fp8_dtype_for_arch(arch),
-        supports_graphs=True, dist_backend="rccl" if kind == "rocm" else "nccl",
+        supports_graphs=True, dist_backend="rccl" if kind == "rocm" else "nccl", libraries=installed_libraries(),
     )
 
 
-def hypothetical_platform(kind: str, arch: str | None = None) -> Platform:
-    """A platform that is not here, to answer 'what would be chosen on an MI300X?' without the hardware."""
+def hypothetical_platform(kind: str, arch: str | None = None,
+                          libraries: frozenset[str] | None = None) -> Platform:
+    """A platform that is not here, to answer 'what would be chosen on an MI300X?' without the hardware.
+    `libraries` are the kernel libraries to assume installed (default: those importable here)."""
+    libraries = installed_libraries() if libraries is None else frozenset(libraries)
     default_arch = {"cuda": "sm_90", "rocm": "gfx942", "cpu": cpu_platform().arch}[kind]
     arch = arch or default_arch
     if kind == "cpu":
-        return replace(cpu_platform(), hypothetical=True)
+        return replace(cpu_platform(), hypothetical=True, libraries=libraries)
     return Platform(
         kind=kind, device_name=f"(not present) {arch}", arch=arch, compute_units=0, memory_total=0,
         memory_free=0, dtypes=(torch.float32, torch.bfloat16, torch.float16), fp8_dtype=fp8_dtype_for_arch(arch),
-        supports_graphs=True, dist_backend="rccl" if kind == "rocm" else "nccl", hypothetical=True,
+        supports_graphs=True, dist_backend="rccl" if kind == "rocm" else "nccl", libraries=libraries,
+        hypothetical=True,
     )
 
 

@@ -76,13 +76,14 @@ def select_backend(requested: str = "auto", ops: str | dict[str, str] | None = N
 
 
 def describe_backend(requested: str = "auto", arch: str | None = None,
-                     ops: str | dict[str, str] | None = None) -> Selection:
-    """The table a backend would use, also for hardware that is not here (a hypothetical platform of `arch`)."""
+                     ops: str | dict[str, str] | None = None, libraries: frozenset[str] | None = None) -> Selection:
+    """The table a backend would use, also for hardware that is not here (a hypothetical platform of `arch`,
+    with `libraries` assumed installed instead of those importable here)."""
     present = detect_kind()
     name = present if requested in (None, "auto") else requested
     spec = load_backend(name)
-    if name == present and arch is None:
+    if name == present and arch is None and libraries is None:
         platform = cpu_platform() if name == "cpu" else gpu_platform()
     else:
-        platform = hypothetical_platform(name, arch)
+        platform = hypothetical_platform(name, arch, libraries)
     return Selection(spec, platform, resolve(spec.priorities, platform, _overrides(ops)))

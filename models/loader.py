@@ -9,7 +9,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from resin.hal.fp8 import FP8_DTYPES
 from resin.models import resolve_architecture
+from resin.models.fp8 import convert_after_loading, parse_quant_config, quantize_linears
 from resin.models.gguf_loader import read_gguf
 
 
@@ -83,7 +85,9 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        param.weight_loader(param, tensor.to(param.dtype), shard)
+        if param.dtype not in FP8_DTYPES:  # fp8 weights are checked, never cast
+            tensor = tensor.to(param.dtype)
+        param.weight_loader(param, tensor, shard)
         loaded.add(target if shard is None else f"{target}:{shard}")
     expected = set()
     for pname in params:
@@ -95,9 +99,16 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}")
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               fp8_dtype: torch.dtype | None = None) -> LoadedModel:
+    """fp8_dtype: the platform's fp8 flavour; fp8 checkpoints are converted to it (None keeps e4m3fn)."""
     config, tensors, gguf_file = read_checkpoint(path)
     architecture, cls = resolve_architecture(config)
     model = cls(cls.parse_config(config), dtype)
+    quant = parse_quant_config(config)
+    if quant is not None:
+        quantize_linears(model, quant)
     load_weights(model, tensors)
+    if quant is not None:
+        convert_after_loading(model, fp8_dtype)
     return LoadedModel(model.to(device).eval(), architecture, config, Path(path), gguf_file)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from resin import hal
+from resin.hal.platform import OPTIONAL_LIBRARIES
 
 log = logging.getLogger("resin")
 
@@ -22,6 +23,8 @@ def _engine_flags(p: argparse.ArgumentParser, with_model: bool = True) -> None:
                                                           "of free RAM, at most 1 GiB; on GPUs 85%% of free memory)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--ops", default=None, help="provider overrides, e.g. attention=native (also RESIN_OPS)")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="run decode steps eagerly instead of replaying captured CUDA/HIP graphs (GPU backends)")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -36,7 +39,7 @@ def _llm(args: argparse.Namespace):
     from resin.llm import LLM
 
     return LLM(args.model, backend=args.backend, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-               max_model_len=args.max_model_len, ops=args.ops)
+               max_model_len=args.max_model_len, ops=args.ops, enable_graphs=not args.no_graphs)
 
 
 def _params(args: argparse.Namespace, **extra):
@@ -101,6 +104,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype,
                              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             enable_graphs=not args.no_graphs,
                              enable_prefix_caching=not args.no_prefix_caching, ops=args.ops, seed=args.seed)
     return serve(engine_args, ServeArgs(host=args.host, port=args.port, api_key=args.api_key,
                                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
@@ -108,7 +112,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    sel = hal.describe_backend(args.backend, arch=args.arch, ops=args.ops)
+    libraries = None
+    if args.libraries is not None:
+        libraries = frozenset(x.strip() for x in args.libraries.split(",") if x.strip())
+        unknown = sorted(libraries - set(OPTIONAL_LIBRARIES))
+        if unknown:
+            raise SystemExit(f"--libraries: unknown {unknown}; known: {', '.join(OPTIONAL_LIBRARIES)}")
+    sel = hal.describe_backend(args.backend, arch=args.arch, ops=args.ops, libraries=libraries)
     for key, value in sel.platform.describe():
         print(f"{key:>14}: {value}")
     print(f"{'backend':>14}: {sel.backend.name} ({sel.backend.note})\n")
@@ -184,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the providers before it were skipped. Works for absent hardware too.")
     p.add_argument("--backend", default="auto", choices=["auto", *hal.BACKENDS])
     p.add_argument("--arch", default=None, help="describe this architecture (e.g. gfx942, gfx950, sm_90, sm_100)")
+    p.add_argument("--libraries", default=None,
+                   help="describe as if exactly these kernel libraries were installed (comma list of "
+                        f"{', '.join(OPTIONAL_LIBRARIES)}; '' for none). Default: those importable here")
     p.add_argument("--ops", default=None, help="provider overrides, e.g. attention=native")
     p.set_defaults(func=cmd_backends)
 

@@ -69,6 +69,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     ops: str | dict[str, str] | None = None
+    enable_graphs: bool = True  # capture decode graphs where the platform has them (GPUs); --no-graphs
 
 
 @dataclass
@@ -85,7 +86,7 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
     selection = select_backend(args.backend, args.ops)
     dtype = resolve_dtype(args.dtype, selection)
     path = Path(args.model).expanduser() if args.model is not None else builtin_model_path()
-    loaded = load_model(path, dtype, selection.platform.device)
+    loaded = load_model(path, dtype, selection.platform.device, selection.platform.fp8_dtype)
     tokenizer = load_tokenizer(path, loaded.gguf_file)
     gen_config_file = path / "generation_config.json" if path.is_dir() else None
     gen_config = json.loads(gen_config_file.read_text()) if gen_config_file and gen_config_file.exists() else {}
@@ -112,7 +113,8 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
         max_model_len=max_model_len, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(max_model_len, 8192)),
-        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+        graphs=args.enable_graphs and selection.platform.supports_graphs)
     engine = LLMEngine(loaded.model, config, vocab_size=loaded.model.config.vocab_size, dtype=dtype,
                        device=selection.platform.device, num_blocks=num_blocks, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids(tokenizer, loaded.hf_config, gen_config),

@@ -11,6 +11,11 @@ import torch
 from resin.tiny import random_hf_model, save_tiny_model, tiny_hf_config  # noqa: F401 (re-exported)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's CPU interpreter here; set before any kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Where the Triton kernel tests put their tensors: the interpreter works on host memory, a GPU on its own.
+KERNEL_DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

@@ -7,26 +7,9 @@ import torch
 from resin import hal
 from resin.backends.cpu.attention import CpuAttention
 
+from attention_batches import paged_batch
+
 pytestmark = pytest.mark.kernels
-
-
-def _batch(shapes, block_size, num_blocks, hk, d):
-    perm = torch.randperm(num_blocks).tolist()
-    seqs, start = [], 0
-    for ctx, qlen in shapes:
-        nblk = -(-ctx // block_size)
-        seqs.append((perm[:nblk], ctx, qlen, start))
-        perm, start = perm[nblk:], start + qlen
-    tables = torch.zeros(len(seqs), max(len(s[0]) for s in seqs), dtype=torch.int32)
-    for i, s in enumerate(seqs):
-        tables[i, :len(s[0])] = torch.tensor(s[0])
-    slots = torch.tensor([b[p // block_size] * block_size + p % block_size
-                          for b, ctx, qlen, _ in seqs for p in range(ctx - qlen, ctx)])
-    meta = hal.AttentionMetadata(
-        query_start_loc=torch.tensor([0] + [s[3] + s[2] for s in seqs], dtype=torch.int32),
-        seq_lens=torch.tensor([s[1] for s in seqs], dtype=torch.int32), block_tables=tables, slot_mapping=slots,
-        max_query_len=max(s[2] for s in seqs), max_seq_len=max(s[1] for s in seqs))
-    return meta, start
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -39,7 +22,7 @@ def _batch(shapes, block_size, num_blocks, hk, d):
 def test_cpu_attention_matches_native(dtype, tol, shapes, window):
     h, hk, d, block_size = 6, 2, 24, 4
     layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)
-    meta, t = _batch(shapes, block_size, 48, hk, d)
+    meta, t = paged_batch(shapes, block_size, 48)
     cache = torch.randn(2, 48, block_size, hk, d).to(dtype)
     q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hk, hk))
     native = hal.NativeAttention([layer], block_size, dtype, torch.device("cpu"))

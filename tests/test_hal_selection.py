@@ -103,12 +103,73 @@ def test_unknown_backend_name():
         hal.select_backend("tpu", install=False)
 
 
-@pytest.mark.parametrize("backend,arch", [("rocm", "gfx942"), ("rocm", "gfx950"), ("cuda", "sm_90")])
-def test_describe_backend_for_absent_hardware(backend, arch):
-    sel = hal.describe_backend(backend, arch=arch)
-    assert sel.platform.hypothetical and sel.platform.arch == arch and sel.backend.name == backend
-    assert all(c.chosen == "native" for c in sel.table.values())  # no GPU kernels registered yet
-    assert "no GPU kernels registered yet" in sel.backend.note
+AITER_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "moe_route", "fused_moe", "fp8_linear"}
+TRITON_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route",
+              "fused_moe"}
+
+
+def _chosen(sel):
+    return {name: c.chosen for name, c in sel.table.items()}
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_rocm_table_with_aiter(arch):
+    sel = hal.describe_backend("rocm", arch=arch, libraries=frozenset({"aiter", "triton"}))
+    chosen = _chosen(sel)
+    assert {op for op, p in chosen.items() if p == "aiter"} == AITER_OPS
+    assert chosen["silu_and_mul"] == chosen["gelu_and_mul"] == "triton"  # no aiter adapter: triton serves
+    assert chosen["capture_graph"] == "torch_graphs" and chosen["linear"] == chosen["embedding"] == "native"
+    # every chain still ends in native, and triton backs aiter up where aiter declines a call
+    assert [p.name for p in sel.table["attention"].chain] == ["aiter", "triton", "native"]
+    assert sel.platform.fp8_dtype == (torch.float8_e4m3fnuz if arch == "gfx942" else torch.float8_e4m3fn)
+
+
+def test_rocm_table_without_aiter_explains_why():
+    sel = hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"triton"}))
+    chosen = _chosen(sel)
+    assert {op for op, p in chosen.items() if p == "triton"} == TRITON_OPS
+    assert chosen["fp8_linear"] == "scaled_mm"
+    reasons = dict(sel.table["attention"].skipped)
+    assert "aiter is not importable" in reasons["aiter"] and "amd-aiter" in reasons["aiter"]
+    assert "aiter: aiter is not importable" in sel.format_table()
+
+
+def test_rocm_table_on_an_arch_aiter_does_not_target():
+    sel = hal.describe_backend("rocm", arch="gfx90a", libraries=frozenset({"aiter", "triton"}))
+    reasons = dict(sel.table["attention"].skipped)
+    assert "gfx90a" in reasons["aiter"] and sel.table["attention"].chosen == "triton"
+    fp8 = dict(sel.table["fp8_linear"].skipped)
+    assert "gfx90a" in fp8["aiter"] and "no fp8" in fp8["scaled_mm"] and "no fp8" in fp8["triton"]
+    assert sel.table["fp8_linear"].chosen == "native"
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_100"])
+def test_cuda_table(arch):
+    sel = hal.describe_backend("cuda", arch=arch, libraries=frozenset({"triton"}))
+    chosen = _chosen(sel)
+    assert {op for op, p in chosen.items() if p == "triton"} == TRITON_OPS
+    assert chosen["fp8_linear"] == "scaled_mm" and chosen["capture_graph"] == "torch_graphs"
+    assert [p.name for p in sel.table["fp8_linear"].chain] == ["scaled_mm", "triton", "native"]
+    assert "aiter" not in sel.format_table()  # not part of this backend
+
+
+def test_gpu_tables_without_triton_fall_back_to_native():
+    for backend, arch in (("cuda", "sm_90"), ("rocm", "gfx942")):
+        sel = hal.describe_backend(backend, arch=arch, libraries=frozenset())
+        assert all(c.chosen in ("native", "torch_graphs") for c in sel.table.values())
+        assert "triton is not importable" in dict(sel.table["rms_norm"].skipped)["triton"]
+    old = hal.describe_backend("cuda", arch="sm_75", libraries=frozenset({"triton"}))
+    assert "sm_80" in dict(old.table["attention"].skipped)["triton"]
+
+
+def test_cpu_never_picks_gpu_providers():
+    sel = hal.describe_backend("cpu")
+    assert "triton" not in _chosen(sel).values() and sel.table["capture_graph"].chosen == "native"
+
+
+def test_override_to_an_unavailable_provider_names_the_reason():
+    with pytest.raises(SelectionError, match="aiter is not importable"):
+        hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"triton"}), ops="attention=aiter")
 
 
 def test_fp8_flavour_per_arch():

@@ -1,7 +1,48 @@
-"""AMD backend (gfx942 MI300X/MI325X, gfx950 MI350/MI355). Today it has no kernels of its own: every op runs the
-HAL's native PyTorch implementation on the GPU. aiter adapters (imported lazily) and Triton kernels join the
-priority lists here."""
+"""AMD backend (gfx942 MI300X/MI325X, gfx950 MI350/MI355): aiter kernels where aiter is installed, the shared
+Triton kernels (wave64 tuning in tuning.py) for everything else and wherever aiter declines a call, fp8 in the
+arch's flavour (e4m3fnuz on gfx942, converted on load), and HIP graphs through torch's CUDA-graph API.
+
+The aiter adapters (backends/rocm/aiter/) are untested on hardware in this project; see their module docs.
+"""
+from resin.backends.cuda import graphs, scaled_mm
+from resin.backends.rocm import aiter
+from resin.backends.rocm.aiter import attention as aiter_attention
+from resin.backends.rocm.aiter import gemm as aiter_gemm
+from resin.backends.rocm.aiter import moe as aiter_moe
+from resin.backends.rocm.aiter import norm as aiter_norm
+from resin.backends.rocm.aiter import rotary as aiter_rotary
+from resin.backends.triton import providers as _triton  # noqa: F401  (registers the "triton" providers)
+from resin.hal.attention import ATTENTION
+from resin.hal.fp8 import FP8_LINEAR
+from resin.hal.graphs import CAPTURE_GRAPH
+from resin.hal.moe import FUSED_MOE, MOE_ROUTE
+from resin.hal.ops import FUSED_ADD_RMS_NORM, RMS_NORM, ROTARY
 from resin.hal.selection import BackendSpec
 
-BACKEND = BackendSpec("rocm", priorities={},
-                      note="no GPU kernels registered yet: every op runs its native PyTorch implementation on the GPU")
+ATTENTION.register("aiter", aiter.supported, aiter_attention.AiterUnifiedAttention.unsupported_reason)(
+    aiter_attention.AiterUnifiedAttention)
+RMS_NORM.register("aiter", aiter.supported, aiter_norm.supports_args)(aiter_norm.rms_norm)
+FUSED_ADD_RMS_NORM.register("aiter", aiter.supported, aiter_norm.supports_args)(aiter_norm.fused_add_rms_norm)
+ROTARY.register("aiter", aiter.supported, aiter_rotary.supports_args)(aiter_rotary.rotary)
+MOE_ROUTE.register("aiter", aiter.supported, aiter_moe.route_supports_args)(aiter_moe.moe_route)
+FUSED_MOE.register("aiter", aiter.supported, aiter_moe.fused_moe_supports_args)(aiter_moe.fused_moe)
+FP8_LINEAR.register("aiter", aiter.fp8_supported, aiter_gemm.supports_args)(aiter_gemm.fp8_linear)
+FP8_LINEAR.register("scaled_mm", scaled_mm.supported, scaled_mm.supports_args)(scaled_mm.fp8_linear)
+CAPTURE_GRAPH.register("torch_graphs", graphs.supported)(graphs.capture)
+
+BACKEND = BackendSpec(
+    "rocm",
+    priorities={
+        "attention": ["aiter", "triton"],
+        "rms_norm": ["aiter", "triton"],
+        "fused_add_rms_norm": ["aiter", "triton"],
+        "rotary": ["aiter", "triton"],
+        "silu_and_mul": ["triton"],
+        "gelu_and_mul": ["triton"],
+        "moe_route": ["aiter", "triton"],
+        "fused_moe": ["aiter", "triton"],
+        "fp8_linear": ["aiter", "scaled_mm", "triton"],
+        "capture_graph": ["torch_graphs"],
+    },
+    note="aiter where installed (gfx942/gfx950), shared Triton kernels (wave64 tuning) otherwise, fp8 e4m3fnuz "
+         "on gfx942 / e4m3fn on gfx950, HIP graphs")

@@ -1,0 +1,50 @@
+"""fp8 w8a8 through torch._scaled_mm (cuBLASLt on NVIDIA sm_89+, hipBLASLt on gfx942/gfx950; rocm registers this
+too). Weight (N, K) row-major is passed as its transpose, the column-major (K, N) B operand _scaled_mm wants.
+Scales: one per tensor on both sides, or row-wise (per-token (M, 1) x per-channel (1, N)) with bf16 output, the
+combination vLLM uses; anything else is left to the Triton GEMM. Activations are quantised per token by the
+shared Triton kernel.
+
+UNTESTED ON HARDWARE here (no GPU in this project so far); tests/gpu/test_kernels_gpu.py checks it against native.
+"""
+from __future__ import annotations
+
+import torch
+
+from resin.hal.platform import Platform
+
+
+def supported(platform: Platform) -> tuple[bool, str]:
+    if platform.kind not in ("cuda", "rocm"):
+        return False, "needs a GPU"
+    if platform.fp8_dtype is None:
+        return False, f"{platform.arch}: no fp8"
+    if "triton" not in platform.libraries:
+        return False, "activation quantisation needs triton (pip install 'resin[triton]')"
+    return True, ""
+
+
+def supports_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                  input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> str | None:
+    n, k = weight.shape
+    if n % 16 or k % 16:
+        return f"(N, K)=({n}, {k}) not multiples of 16"
+    per_tensor = weight_scale.numel() == 1 and input_scale is not None
+    if not per_tensor and x.dtype != torch.bfloat16:
+        return "row-wise scales need bf16 output"
+    return None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from resin.backends.triton.fp8 import quantize_fp8
+
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_fp8(x2, weight.dtype, input_scale)
+    n = weight.shape[0]
+    if weight_scale.numel() == 1 and input_scale is not None:
+        scale_a, scale_b = xs.reshape(()), weight_scale.float().reshape(())
+    else:
+        scale_a = xs.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+        scale_b = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()
+    out = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=x.dtype)
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,31 @@
+"""aiter fp8 w8a8 GEMM: `gemm_a8w8_CK(XQ (M, K), WQ (N, K), x_scale (M, 1), w_scale (N, 1), bias (1, N), dtype)`
+-> (M, N), per-token activation and per-channel weight scales (a per-tensor scale is broadcast to those shapes).
+Activations are quantised per token by the shared Triton kernel (static per-tensor input scales broadcast)."""
+from __future__ import annotations
+
+import torch
+
+from resin.backends.rocm.aiter import aiter_module
+
+
+def supports_args(x: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> str | None:
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return f"{x.dtype}: gemm_a8w8 writes fp16/bf16"
+    n, k = weight.shape
+    if n % 16 or k % 16:
+        return f"(N, K)=({n}, {k}) not multiples of 16"
+    return None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    from resin.backends.triton.fp8 import quantize_fp8
+
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_fp8(x2, weight.dtype, input_scale)
+    n = weight.shape[0]
+    x_scale = xs.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
+    w_scale = weight_scale.float().reshape(-1, 1).expand(n, 1).contiguous()
+    out = aiter_module().gemm_a8w8_CK(xq, weight, x_scale, w_scale, bias.reshape(1, n) if bias is not None else None,
+                                      x.dtype)
+    return out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,66 @@
+"""aiter MoE: routing by `topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, need_renorm)`
+(plus `grouped_topk` / `biased_grouped_topk` for grouped routing), and `aiter.fused_moe.fused_moe(hidden, w1, w2,
+topk_weight, topk_ids, activation=...)` with w1 (E, 2I, H) gate rows first, w2 (E, H, I). Its CK kernels want
+weights pre-shuffled by `shuffle_weight(w, layout=(16, 16))`: done once per expert tensor and kept beside it."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from resin.backends.rocm.aiter import aiter_module
+
+_SHUFFLED: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def route_supports_args(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
+                        num_expert_group: int | None = None, topk_group: int | None = None,
+                        correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0) -> str | None:
+    if num_expert_group:
+        return None  # grouped_topk / biased_grouped_topk
+    if scoring != "softmax" or correction_bias is not None or routed_scaling_factor != 1.0:
+        return "aiter topk_softmax: plain softmax top-k only"
+    return None
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
+              num_expert_group: int | None = None, topk_group: int | None = None,
+              correction_bias: torch.Tensor | None = None,
+              routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    aiter = aiter_module()
+    t = router_logits.shape[0]
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    if num_expert_group and correction_bias is not None:
+        aiter.biased_grouped_topk(router_logits, correction_bias.to(router_logits.dtype), weights, ids,
+                                  num_expert_group, topk_group, renormalize, routed_scaling_factor)
+    elif num_expert_group:
+        aiter.grouped_topk(router_logits, weights, ids, num_expert_group, topk_group, renormalize,
+                           scoring == "softmax", routed_scaling_factor)
+    else:
+        token_expert = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+        aiter.topk_softmax(weights, ids, token_expert, router_logits, renormalize)
+    return weights, ids
+
+
+def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor, activation: str = "silu") -> str | None:
+    if x.dtype not in (torch.float16, torch.bfloat16) or w13.dtype != x.dtype:
+        return f"{x.dtype} activations / {w13.dtype} experts: aiter fused_moe runs fp16/bf16"
+    if w13.shape[1] % 16 or w13.shape[2] % 32 or w2.shape[1] % 16 or w2.shape[2] % 32:
+        return "expert shapes not multiples of (16, 32): shuffle_weight cannot lay them out"
+    return None
+
+
+def _shuffled(w: torch.Tensor) -> torch.Tensor:
+    if w not in _SHUFFLED:
+        _SHUFFLED[w] = aiter_module("aiter.ops.shuffle").shuffle_weight(w, layout=(16, 16))
+    return _SHUFFLED[w]
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    aiter = aiter_module()
+    act = aiter.ActivationType.Silu if activation == "silu" else aiter.ActivationType.Gelu
+    return aiter_module("aiter.fused_moe").fused_moe(
+        x, _shuffled(w13), _shuffled(w2), topk_weights.float(), topk_ids.to(torch.int32), activation=act)

@@ -1,0 +1,162 @@
+"""MoE on Triton: softmax/sigmoid top-k routing, and fused experts as two grouped GEMMs over tokens sorted by
+expert (gate/up, then SiLU/GELU-and-mul, then down scaled by the routing weight), summed per token.
+
+The sort is plain tensor ops with sizes bounded by (tokens, experts) only, so it needs no host sync and can be
+captured in a graph: each expert's rows are padded to a multiple of BLOCK_M; blocks past the last expert are
+marked -1 and their programs exit at once.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from resin.backends.triton.activation import gelu_and_mul, silu_and_mul
+from resin.backends.triton.tuning import Tuning, current
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_experts, logits_stride, scaling,
+                  TOP_K: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORM: tl.constexpr,
+                  BLOCK_E: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < num_experts
+    x = tl.load(logits_ptr + tok * logits_stride + e, mask=ok, other=float("-inf")).to(tl.float32)
+    if SIGMOID:
+        scores = 1.0 / (1.0 + tl.exp(-x))
+    else:
+        ex = tl.exp(x - tl.max(x, 0))
+        scores = ex / tl.sum(ex, 0)
+    choose = scores
+    if HAS_BIAS:
+        choose = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
+    choose = tl.where(ok, choose, float("-inf"))
+    total = 0.0
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(choose, 0)
+        w = tl.sum(tl.where(e == best, scores, 0.0), 0)
+        total += w
+        tl.store(ids_ptr + tok * TOP_K + i, best.to(tl.int32))
+        tl.store(w_ptr + tok * TOP_K + i, w)
+        choose = tl.where(e == best, float("-inf"), choose)
+    k = tl.arange(0, TOP_K)
+    ws = tl.load(w_ptr + tok * TOP_K + k)
+    if RENORM:
+        ws = ws / total
+    tl.store(w_ptr + tok * TOP_K + k, ws * scaling)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
+              num_expert_group: int | None = None, topk_group: int | None = None,
+              correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0,
+              tuning: Tuning | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    tuning = tuning or current()
+    t, e = router_logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    if t:
+        _route_kernel[(t,)](router_logits, correction_bias if correction_bias is not None else router_logits,
+                            weights, ids, e, router_logits.stride(0), routed_scaling_factor, TOP_K=top_k,
+                            SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None, RENORM=renormalize,
+                            BLOCK_E=triton.next_power_of_2(e), **tuning.launch(tuning.elementwise_warps))
+    return weights, ids
+
+
+def route_supports_args(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
+                        num_expert_group: int | None = None, *args, **kwargs) -> str | None:
+    if num_expert_group:
+        return "grouped top-k is not in the triton routing kernel"
+    if scoring not in ("softmax", "sigmoid"):
+        return f"scoring {scoring!r}"
+    if top_k & (top_k - 1):
+        return f"top_k {top_k} is not a power of two"
+    if router_logits.shape[1] > 1024:
+        return f"{router_logits.shape[1]} experts > 1024"
+    return None
+
+
+def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sorted_ids, block_expert): rows of the flattened (token, k) pairs grouped by expert, each expert padded to
+    a multiple of block_m with the sentinel T*k; block_expert[b] is the expert of block b, or -1 past the end."""
+    flat = topk_ids.flatten().long()
+    n = flat.shape[0]
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    expert_of = flat[order]
+    rank = torch.arange(n, device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    capacity = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
+    sorted_ids = torch.full((capacity,), n, dtype=torch.int32, device=flat.device)
+    sorted_ids[(ends - padded)[expert_of] + rank] = order.to(torch.int32)
+    block_start = torch.arange(0, capacity, block_m, device=flat.device)
+    block_expert = torch.searchsorted(ends, block_start, right=True)
+    block_expert = torch.where(block_start < ends[-1], block_expert, -1).to(torch.int32)
+    return sorted_ids, block_expert
+
+
+@triton.jit
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, n, k, num_rows,
+                         a_stride, w_stride_e, w_stride_n, c_stride, A_ROW_DIV: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if expert >= 0:
+        rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < num_rows
+        a_rows = rows // A_ROW_DIV  # the token a (token, k) pair reads from, for the first GEMM
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = kk < k
+            a = tl.load(a_ptr + a_rows[:, None] * a_stride + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_ptr + expert * w_stride_e + cols[None, :] * w_stride_n + kk[:, None],
+                        mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+            if IEEE:
+                acc += tl.dot(a, b, input_precision="ieee")
+            else:
+                acc += tl.dot(a, b)
+        if MUL_WEIGHT:
+            acc = acc * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        tl.store(c_ptr + rows[:, None] * c_stride + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
+                  block_expert: torch.Tensor, topk_w: torch.Tensor | None, a_row_div: int, tuning: Tuning) -> None:
+    bm, bn, bk = tuning.gemm_block
+    n, k = w.shape[1], w.shape[2]
+    grid = (block_expert.shape[0], triton.cdiv(n, bn))
+    _grouped_gemm_kernel[grid](
+        a, w, c, sorted_ids, block_expert, topk_w if topk_w is not None else c, n, k, c.shape[0], a.stride(0),
+        w.stride(0), w.stride(1), c.stride(0), A_ROW_DIV=a_row_div, MUL_WEIGHT=topk_w is not None, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, IEEE=a.dtype == torch.float32, **tuning.launch(tuning.gemm_warps, tuning.gemm_stages))
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, activation: str = "silu", tuning: Tuning | None = None) -> torch.Tensor:
+    tuning = tuning or current()
+    t, top_k = topk_ids.shape
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    sorted_ids, block_expert = sort_by_expert(topk_ids, w13.shape[0], tuning.gemm_block[0])
+    gate_up = torch.empty(t * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, None, top_k, tuning)
+    h = silu_and_mul(gate_up, tuning) if activation == "silu" else gelu_and_mul(gate_up, "none", tuning)
+    down = torch.empty(t * top_k, w2.shape[1], dtype=torch.float32, device=x.device)
+    _grouped_gemm(h, w2, down, sorted_ids, block_expert, topk_weights.flatten().float().contiguous(), 1, tuning)
+    return down.view(t, top_k, -1).sum(1).to(x.dtype)
+
+
+def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor, activation: str = "silu") -> str | None:
+    if w13.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"activations {x.dtype} / experts {w13.dtype}: the triton kernel wants one float dtype"
+    if activation not in ("silu", "gelu"):
+        return f"activation {activation!r}"
+    return None

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU evidence in one script: the GPU test suite (kernels at real sizes, a tiny model on the GPU backend against
+# the cpu backend, graph replay against eager) and the kernel benchmark. Writes everything under OUT (default
+# bench/results/gpu-<date>) and prints a summary table. On a machine without a GPU it says so and stops.
+#
+#   bash bench/gpu_check.sh [OUT]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-${OUT:-bench/results/gpu-$(date +%Y%m%d-%H%M)}}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no GPU visible to torch ($("$PY" -c 'import torch; print(torch.__version__)')): nothing to check here" | tee "$OUT/summary.txt"
+    exit 0
+fi
+"$PY" -m resin.cli backends | tee "$OUT/backends.txt"
+nvidia-smi -L 2>/dev/null | tee "$OUT/gpu.txt" || rocm-smi --showproductname 2>/dev/null | tee "$OUT/gpu.txt"
+
+# the GPU suite (marked requires_*) and the interpreted-free kernel tests, compiled for this GPU
+"$PY" -m pytest -q -rs tests/gpu tests/test_triton_kernels.py tests/test_triton_model.py \
+    --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.txt"
+tests_rc=${PIPESTATUS[0]}
+
+"$PY" bench/gpu_kernels.py --out "$OUT/gpu-kernels.json" 2>&1 | tee "$OUT/gpu-kernels.txt"
+bench_rc=${PIPESTATUS[0]}
+
+{ echo "gpu tests: exit $tests_rc ($(tail -1 "$OUT/gpu-tests.txt"))"; echo "kernel bench: exit $bench_rc"; } \
+    | tee "$OUT/summary.txt"
+exit $(( tests_rc != 0 || bench_rc != 0 ))

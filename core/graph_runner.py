@@ -1,0 +1,97 @@
+"""Decode steps replayed from captured graphs, one per batch-size bucket.
+
+At startup the runner captures a decode-only step (one token per sequence) for each bucket size, over static
+input buffers it owns. A later decode batch of n sequences is padded to the smallest bucket >= n: padding rows
+read and write a scratch KV block that no request owns, so they cannot disturb real sequences, and their outputs
+are dropped. Attention backends take part through capture_state / plan_for_replay. Prefill chunks, mixed batches
+and batches larger than the biggest bucket run eagerly.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from resin.hal.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from resin.hal.graphs import CAPTURE_GRAPH, StepGraph
+
+Forward = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to max_batch (vLLM's ladder), and max_batch itself."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    def __init__(self, forward: Forward, ctx: ForwardContext, max_batch: int, max_blocks: int,
+                 scratch_block: int, block_size: int, device: torch.device):
+        self.forward, self.ctx, self.device = forward, ctx, device
+        self.buckets = bucket_sizes(max_batch)
+        self.scratch_block, self.block_size = scratch_block, block_size
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.hidden: torch.Tensor | None = None  # (n, hidden_size), sized by a warm-up forward in capture()
+        self.graphs: dict[int, StepGraph] = {}
+        self.replays = 0
+
+    @property
+    def attn(self) -> AttentionBackend:
+        return self.ctx.backend
+
+    def _meta(self, bs: int, max_seq_len: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
+            block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs], max_query_len=1,
+            max_seq_len=max_seq_len, query_start_loc_host=torch.arange(bs + 1, dtype=torch.int32))
+
+    def capture(self) -> None:
+        """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
+        n = self.buckets[-1]
+        self.attn.capture_state(n)
+        self.attn.plan_for_replay(n, self._meta(n, self.block_tables.shape[1] * self.block_size))
+        warm = self.forward(self.input_ids, self.positions, self.ctx)  # eager: output size, lazy inits
+        self.hidden = torch.zeros_like(warm)
+        pool = None
+        for bs in reversed(self.buckets):
+            self.attn.plan_for_replay(bs, self._meta(bs, self.block_tables.shape[1] * self.block_size))
+
+            def step(bs: int = bs) -> None:
+                self.hidden[:bs].copy_(self.forward(self.input_ids[:bs], self.positions[:bs], self.ctx))
+            graph = CAPTURE_GRAPH(step, pool)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return next((b for b in self.buckets if b >= num_seqs), None)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
+            block_tables: torch.Tensor, slot_mapping: torch.Tensor, max_seq_len: int) -> torch.Tensor:
+        """One decode step for n sequences (CPU tensors from the runner): refill, replay, return (n, hidden)."""
+        n = input_ids.shape[0]
+        bs = self.bucket_for(n)
+        assert bs is not None, "batch larger than the largest captured bucket"
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
+        width = block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(block_tables, non_blocking=True)
+        if bs > n:  # padding rows: one token at position 0 of the scratch block
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.seq_lens[n:bs].fill_(1)
+            self.slot_mapping[n:bs].fill_(self.scratch_block * self.block_size)
+            self.block_tables[n:bs, 0].fill_(self.scratch_block)
+        self.attn.plan_for_replay(bs, self._meta(bs, max_seq_len))
+        self.graphs[bs].replay()
+        self.replays += 1
+        return self.hidden[:n]

@@ -1,0 +1,62 @@
+"""Mixture-of-experts ops: routing (which experts, with what weight) and the expert computation itself."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from resin.hal.ops import GELU_AND_MUL, SILU_AND_MUL
+from resin.hal.registry import Op
+
+
+def _moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
+               num_expert_group: int | None = None, topk_group: int | None = None,
+               correction_bias: torch.Tensor | None = None,
+               routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, E) router logits -> (weights float32 (T, top_k), expert ids int32 (T, top_k)), best expert first.
+
+    scoring: 'softmax' (Mixtral, Qwen-MoE) or 'sigmoid' (DeepSeek-V3). correction_bias shifts which experts are
+    chosen but not their weights. Grouped top-k keeps the best `topk_group` of `num_expert_group` groups (a
+    group scores its best expert, or its best two summed when a correction bias is given, as DeepSeek-V3 does).
+    """
+    if scoring == "softmax":
+        scores = torch.softmax(router_logits.float(), dim=-1)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(router_logits.float())
+    else:
+        raise ValueError(f"moe scoring {scoring!r} is not supported; use 'softmax' or 'sigmoid'")
+    choose = scores if correction_bias is None else scores + correction_bias.float()
+    if num_expert_group:
+        t, e = choose.shape
+        groups = choose.view(t, num_expert_group, e // num_expert_group)
+        group_score = groups.amax(-1) if correction_bias is None else groups.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
+            1, group_score.topk(topk_group, dim=-1).indices, True)
+        choose = choose.masked_fill(~keep.repeat_interleave(e // num_expert_group, dim=1), float("-inf"))
+    ids = choose.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """sum_k w_k * down_e(act(gate_e(x)) * up_e(x)) over each token's routed experts e = topk_ids[t, k].
+
+    x (T, H); w13 (E, 2I, H) = [gate | up] rows; w2 (E, H, I). Accumulates in fp32. This loop over experts is the
+    definition (and the "unfused torch loop" the fused kernels are benchmarked against).
+    """
+    act = SILU_AND_MUL.native if activation == "silu" else GELU_AND_MUL.native
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.flatten().long()
+    for e in torch.unique(flat_ids).tolist():
+        pos = torch.nonzero(flat_ids == e).squeeze(1)
+        tok = pos // topk_ids.shape[1]
+        h = act(F.linear(x[tok], w13[e]))
+        y = F.linear(h, w2[e])
+        out.index_add_(0, tok, y.float() * topk_weights.flatten()[pos].float().unsqueeze(1))
+    return out.to(x.dtype)
+
+
+MOE_ROUTE = Op("moe_route", _moe_route)
+FUSED_MOE = Op("fused_moe", _fused_moe)

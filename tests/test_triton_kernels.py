@@ -1,0 +1,262 @@
+"""Every shared Triton kernel against the HAL op's native implementation, on fresh random inputs with ragged and
+non-power-of-two shapes. On a machine without a GPU conftest sets TRITON_INTERPRET=1, so the kernels run in
+Triton's CPU interpreter (small shapes); tests/gpu/ repeats the checks at real sizes on a GPU.
+
+Two limits of Triton 3.9's interpreter shape these tests: its tl.dot is wrong for bfloat16 operands, so kernels
+with dots are checked here in fp32 and fp16 (bf16 on a GPU); and it truncates fp32 -> bf16 instead of rounding to
+nearest, so bf16 results are compared to bf16 rounding, never bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resin import hal
+from resin.backends.cuda.tuning import TUNING as CUDA_TUNING
+from resin.backends.rocm.tuning import TUNING as ROCM_TUNING
+from resin.backends.triton import activation, fp8, kv_cache, moe, norm, rotary
+from resin.backends.triton.attention import TritonAttention
+from resin.backends.triton.tuning import current
+from resin.hal.fp8 import FP8_DTYPES
+
+from attention_batches import paged_batch
+from conftest import KERNEL_DEVICE
+
+pytestmark = pytest.mark.kernels
+
+
+@pytest.fixture(autouse=True)
+def on_kernel_device():
+    """Tensors made by the tests (and by native references) live where the kernels run."""
+    torch.set_default_device(KERNEL_DEVICE)
+    yield
+    torch.set_default_device(None)
+
+# Interpreted, both vendors' launch options are exercised; compiled, only this GPU's (NVIDIA rejects waves_per_eu).
+TUNINGS = pytest.mark.parametrize(
+    "tuning", [CUDA_TUNING, ROCM_TUNING] if KERNEL_DEVICE.type == "cpu" else [current()],
+    ids=(["cuda-tuning", "rocm-tuning"] if KERNEL_DEVICE.type == "cpu" else ["this-gpu"]))
+ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+DOT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if KERNEL_DEVICE.type == "cuda" else [])
+
+
+def close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32 to 1e-5; half types to their rounding (the kernels round where the native op does, but a fused
+    kernel may differ from the unfused op by an ulp)."""
+    torch.testing.assert_close(got.float(), ref.float(), **(
+        {"rtol": 1e-5, "atol": 1e-5} if ref.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}))
+
+
+@TUNINGS
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 8), (5, 40), (3, 7, 96)])
+def test_rms_norms(dtype, shape, tuning):
+    x, res = torch.randn(*shape).to(dtype), torch.randn(*shape).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1])).to(dtype)
+    close(norm.rms_norm(x, w, 1e-6, tuning), hal.RMS_NORM.native(x, w, 1e-6))
+    got, got_res = norm.fused_add_rms_norm(x, res, w, 1e-5, tuning)
+    ref, ref_res = hal.FUSED_ADD_RMS_NORM.native(x, res, w, 1e-5)
+    close(got, ref)
+    if dtype == torch.bfloat16:
+        close(got_res, ref_res)  # the interpreter truncates fp32 -> bf16 instead of rounding to nearest
+    else:
+        assert torch.equal(got_res, ref_res)  # the residual sum is rounded exactly as native rounds it
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 16), (7, 2 * 37), (2, 3, 2 * 1100)])
+def test_activations(dtype, shape):
+    x = torch.randn(*shape).to(dtype)
+    close(activation.silu_and_mul(x), hal.SILU_AND_MUL.native(x))
+    for approximate in ("none", "tanh"):
+        close(activation.gelu_and_mul(x, approximate), hal.GELU_AND_MUL.native(x, approximate))
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,head_size,rot_dim", [(3, 1, 40, 40), (4, 2, 64, 32), (5, 5, 24, 16)])
+def test_rotary(dtype, is_neox, heads, kv_heads, head_size, rot_dim):
+    cache = hal.rope_cos_sin_cache(rot_dim, 97, 10000.0, None)
+    pos = torch.randint(0, 97, (11,))
+    q, k = torch.randn(11, heads * head_size).to(dtype), torch.randn(11, kv_heads * head_size).to(dtype)
+    got = rotary.rotary(pos, q, k, cache, head_size, is_neox)
+    ref = hal.ROTARY.native(pos, q, k, cache, head_size, is_neox)
+    close(got[0], ref[0])
+    close(got[1], ref[1])
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_kv_write_by_slot_skips_padding(dtype):
+    nb, bs, hk, d = 7, 16, 3, 40
+    slots = torch.randperm(nb * bs)[:13]
+    k, v = torch.randn(13, hk * d).to(dtype), torch.randn(13, hk * d).to(dtype)
+    cache = torch.randn(2, nb, bs, hk, d).to(dtype)
+    ref = cache.clone()
+    hal.write_kv(ref, k, v, slots)
+    got = cache.clone()
+    kv_cache.write_kv(got, k, v, slots)
+    assert torch.equal(got, ref)
+    padded = torch.cat((slots[:5], torch.full((2,), -1)))  # -1: a padding row of a replayed graph
+    got = cache.clone()
+    kv_cache.write_kv(got, k[:7], v[:7], padded)
+    ref = cache.clone()
+    hal.write_kv(ref, k[:5], v[:5], slots[:5])
+    assert torch.equal(got, ref)
+
+
+ATTENTION_SHAPES = {
+    "mixed": [(9, 1), (6, 6), (45, 17), (1, 1), (40, 1)],  # decodes and prefill chunks, with cached context
+    "decode": [(5, 1), (70, 1), (33, 1)],  # decode only: split-K over the key range
+    "prefill": [(37, 37), (29, 5)],
+}
+
+
+def _attention_case(shapes, layer, block_size, dtype, sinks=False):
+    num_blocks = sum(-(-ctx // block_size) for ctx, _ in shapes) + 3
+    meta, t = paged_batch(shapes, block_size, num_blocks)
+    h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+    cache = torch.randn(2, num_blocks, block_size, hk, d).to(dtype)
+    q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hk, hk))
+    sink = torch.randn(h) if sinks else None
+    native = hal.NativeAttention([layer], block_size, dtype, KERNEL_DEVICE)
+    native.plan(meta)
+    ref_cache = cache.clone()
+    ref = native.forward(0, q, k, v, ref_cache, sink)
+    return meta, cache, (q, k, v, sink), ref, ref_cache
+
+
+@TUNINGS
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("batch", list(ATTENTION_SHAPES))
+@pytest.mark.parametrize("heads,kv_heads,head_size,block_size", [(6, 2, 24, 16), (4, 4, 64, 32), (9, 3, 40, 16),
+                                                                  (8, 1, 16, 16)])
+def test_paged_attention(tuning, dtype, batch, heads, kv_heads, head_size, block_size):
+    layer = hal.AttentionLayer(heads, kv_heads, head_size, scale=head_size ** -0.5)
+    meta, cache, (q, k, v, _), ref, ref_cache = _attention_case(ATTENTION_SHAPES[batch], layer, block_size, dtype)
+    attn = TritonAttention([layer], block_size, dtype, KERNEL_DEVICE, tuning)
+    attn.plan(meta)
+    if batch == "decode":
+        assert attn.num_splits > 1  # the split-K path and its merge kernel are what this case checks
+    got = attn.forward(0, q, k, v, cache)
+    assert torch.equal(cache, ref_cache)
+    close(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+@pytest.mark.parametrize("window,soft_cap,sinks", [(7, None, False), (None, 4.0, False), (None, None, True),
+                                                   (20, 30.0, True)])
+def test_paged_attention_window_softcap_sinks(dtype, batch, window, soft_cap, sinks):
+    layer = hal.AttentionLayer(6, 2, 32, 32 ** -0.5, sliding_window=window, logits_soft_cap=soft_cap,
+                               has_sinks=sinks)
+    meta, cache, (q, k, v, sink), ref, ref_cache = _attention_case(ATTENTION_SHAPES[batch], layer, 16, dtype, sinks)
+    attn = TritonAttention([layer], 16, dtype, KERNEL_DEVICE)
+    attn.plan(meta)
+    close(attn.forward(0, q, k, v, cache, sink), ref)
+
+
+def test_paged_attention_replay_plan_matches_eager_plan():
+    """The graph path: capture_state + plan_for_replay over a batch padded with scratch rows gives the rows'
+    eager results (the launch depends only on the bucket size)."""
+    layer = hal.AttentionLayer(4, 2, 32, 32 ** -0.5)
+    shapes = [(5, 1), (70, 1), (33, 1)]
+    meta, cache, (q, k, v, _), ref, _ = _attention_case(shapes, layer, 16, torch.float32)
+    used = {int(b) for i, (ctx, _) in enumerate(shapes) for b in meta.block_tables[i, :-(-ctx // 16)]}
+    bucket, scratch = 4, min(set(range(cache.shape[1])) - used)  # a block no sequence owns
+    pad = bucket - len(shapes)
+    tables = torch.cat((meta.block_tables, torch.full((pad, meta.block_tables.shape[1]), scratch, dtype=torch.int32)))
+    padded = hal.AttentionMetadata(
+        query_start_loc=torch.arange(bucket + 1, dtype=torch.int32),
+        seq_lens=torch.cat((meta.seq_lens, torch.ones(pad, dtype=torch.int32))), block_tables=tables,
+        slot_mapping=torch.cat((meta.slot_mapping, torch.full((pad,), scratch * 16))), max_query_len=1,
+        max_seq_len=meta.max_seq_len)
+    attn = TritonAttention([layer], 16, torch.float32, KERNEL_DEVICE)
+    attn.capture_state(8)
+    attn.plan_for_replay(bucket, padded)
+    pad_rows = torch.randn(pad, q.shape[1]), torch.randn(pad, k.shape[1]), torch.randn(pad, v.shape[1])
+    got = attn.forward(0, *(torch.cat((a, b)) for a, b in zip((q, k, v), pad_rows)), cache)
+    close(got[:len(shapes)], ref)
+
+
+def test_attention_refuses_what_it_cannot_run():
+    layer = hal.AttentionLayer(4, 2, 32, 1.0)
+    assert "block size" in TritonAttention.unsupported_reason([layer], 8, torch.float16, KERNEL_DEVICE)
+    big = hal.AttentionLayer(4, 2, 512, 1.0)
+    assert "head size" in TritonAttention.unsupported_reason([big], 16, torch.float16, KERNEL_DEVICE)
+    assert TritonAttention.unsupported_reason([layer], 16, torch.bfloat16, KERNEL_DEVICE) is None
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (12, 4), (60, 1), (64, 8)])
+@pytest.mark.parametrize("bias,renormalize", [(False, True), (True, True), (False, False)])
+def test_moe_route(scoring, num_experts, top_k, bias, renormalize):
+    logits = torch.randn(13, num_experts)
+    correction = torch.randn(num_experts) * 0.1 if bias else None
+    assert moe.route_supports_args(logits, top_k, scoring) is None
+    got_w, got_ids = moe.moe_route(logits, top_k, scoring, renormalize, correction_bias=correction,
+                                   routed_scaling_factor=2.5)
+    ref_w, ref_ids = hal.MOE_ROUTE.native(logits, top_k, scoring, renormalize, correction_bias=correction,
+                                          routed_scaling_factor=2.5)
+    assert torch.equal(got_ids, ref_ids)
+    close(got_w, ref_w)
+    assert moe.route_supports_args(logits, top_k, scoring, True, 4) is not None  # grouped top-k: native
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 4, 2, 16), (37, 6, 2, 16), (20, 64, 8, 64)])
+def test_sort_by_expert(num_tokens, num_experts, top_k, block_m):
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(num_tokens)]).to(torch.int32)
+    sorted_ids, block_expert = moe.sort_by_expert(ids, num_experts, block_m)
+    n = num_tokens * top_k
+    real = sorted_ids[sorted_ids < n]
+    assert sorted(real.tolist()) == list(range(n))  # every (token, k) pair exactly once
+    for b, e in enumerate(block_expert.tolist()):
+        rows = sorted_ids[b * block_m:(b + 1) * block_m]
+        rows = rows[rows < n].long()
+        if e < 0:
+            assert rows.numel() == 0
+        else:
+            assert (ids.flatten()[rows] == e).all() and rows.tolist() == sorted(rows.tolist())
+
+
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k", [(1, 32, 48, 4, 2), (13, 48, 40, 6, 2),
+                                                                       (29, 64, 24, 8, 1)])
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_fused_moe(dtype, num_tokens, hidden, inter, num_experts, top_k, act):
+    x = torch.randn(num_tokens, hidden).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden) * hidden ** -0.5).to(dtype)
+    w2 = (torch.randn(num_experts, hidden, inter) * inter ** -0.5).to(dtype)
+    weights, ids = hal.MOE_ROUTE.native(torch.randn(num_tokens, num_experts), top_k)
+    assert moe.fused_moe_supports_args(x, w13, w2, weights, ids, act) is None
+    close(moe.fused_moe(x, w13, w2, weights, ids, act), hal.FUSED_MOE.native(x, w13, w2, weights, ids, act))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("m,k", [(1, 16), (7, 96), (19, 200)])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_quantize_matches_native(fp8_dtype, m, k, static):
+    x = torch.randn(m, k) * 3
+    x[0, :8] = torch.tensor([1e-4, -1e-4, 3e-3, -2e-2, 0.0, 124.3, -124.3, 1e-6]) * x.abs().max() / 124.3
+    scale = (x.abs().max() / torch.finfo(fp8_dtype).max * 1.3).reshape(1) if static else None
+    got_q, got_s = fp8.quantize_fp8(x, fp8_dtype, scale)
+    ref_q, ref_s = hal.quantize_fp8(x, fp8_dtype, scale)
+    assert torch.equal(got_q.float(), ref_q.float())  # every value on the same grid point (-0.0 == 0.0)
+    close(got_s.reshape(-1), ref_s.reshape(-1))
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k", [(1, 33, 64), (7, 130, 96), (70, 16, 32)])
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("static_input", [False, True])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear(fp8_dtype, m, n, k, per_channel, static_input, x_dtype):
+    fmax = torch.finfo(fp8_dtype).max
+    x, w, bias = torch.randn(m, k).to(x_dtype), torch.randn(n, k), torch.randn(n).to(x_dtype)
+    w_scale = w.abs().amax(1) / fmax if per_channel else (w.abs().max() / fmax).reshape(1)
+    wq = (w / w_scale.reshape(-1, 1)).to(fp8_dtype)
+    in_scale = (x.float().abs().max() / fmax).reshape(1) if static_input else None
+    assert fp8.fp8_linear_supports_args(x, wq) is None
+    got = fp8.fp8_linear(x, wq, w_scale, in_scale, bias)
+    ref = hal.FP8_LINEAR.native(x, wq, w_scale, in_scale, bias)
+    assert got.dtype == ref.dtype == x_dtype
+    close(got, ref)
