@@ -53,6 +53,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs], max_query_len=1,
             max_seq_len=max_seq_len, query_start_loc_host=torch.arange(bs + 1, dtype=torch.int32))
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
         n = self.buckets[-1]

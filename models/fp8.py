@@ -86,6 +86,10 @@ class Fp8Linear(nn.Module):
             self.input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32), requires_grad=False)
             self.input_scale.weight_loader = self._load_input_scale
         self.bias = linear.bias
+        if self.offsets:
+            for p in (self.weight, self.weight_scale, self.input_scale):
+                if p is not None:
+                    p.shards = list(self.offsets)
 
     def _rows(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
         if shard is None:

@@ -50,10 +50,43 @@ class MergedLinear(Linear):
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self._load_shard
+                p.shards = list(shards)
 
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
         start, size = self.offsets[shard]
         _default_loader(param.data.narrow(0, start, size), tensor)
+
+
+class SparseMoe(nn.Module):
+    """A mixture-of-experts MLP: a router picks top_k experts per token (MOE_ROUTE, softmax scoring), the experts
+    run fused (FUSED_MOE). Expert weights are stacked: w13 (E, 2I, H) = [gate | up] rows, w2 (E, H, I); each
+    checkpoint tensor loads into its slice, shard ("gate" | "up", expert) or expert."""
+
+    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
+                 act: str = "silu", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.top_k, self.renormalize, self.inter = top_k, renormalize, inter
+        if act not in ("silu", "swish", "gelu"):
+            raise ValueError(f"MoE hidden_act {act!r} is not supported; supported: silu, gelu")
+        self.act = "gelu" if act == "gelu" else "silu"
+        self.gate = Linear(hidden, num_experts, dtype=dtype)
+        self.w13 = _param(num_experts, 2 * inter, hidden, dtype=dtype)
+        self.w13.weight_loader = self._load_w13
+        self.w13.shards = [(which, e) for e in range(num_experts) for which in ("gate", "up")]
+        self.w2 = _param(num_experts, hidden, inter, dtype=dtype)
+        self.w2.weight_loader = self._load_w2
+        self.w2.shards = list(range(num_experts))
+
+    def _load_w13(self, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[str, int]) -> None:
+        which, expert = shard
+        _default_loader(param.data[expert].narrow(0, 0 if which == "gate" else self.inter, self.inter), tensor)
+
+    def _load_w2(self, param: nn.Parameter, tensor: torch.Tensor, expert: int) -> None:
+        _default_loader(param.data[expert], tensor)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = hal.MOE_ROUTE(self.gate(x), self.top_k, "softmax", self.renormalize)
+        return hal.FUSED_MOE(x, self.w13, self.w2, weights, ids, self.act)
 
 
 class RMSNorm(nn.Module):

@@ -1,10 +1,12 @@
-"""Llama-style decoders: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm).
+"""Llama-style decoders: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm), and
+their mixture-of-experts variants MixtralForCausalLM and Qwen3MoeForCausalLM.
 
 Pure architecture over HAL ops: GQA with an explicit head_dim, fused q/k/v and gate/up projections, tied or
-untied embeddings, rope scaling as the config gives it.
+untied embeddings, rope scaling as the config gives it, sparse MoE MLPs on the layers the config names.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +14,7 @@ import torch
 from torch import nn
 
 from resin import hal
-from resin.models.layers import Embedding, Linear, MergedLinear, RMSNorm, Rotary, act_and_mul
+from resin.models.layers import Embedding, Linear, MergedLinear, RMSNorm, Rotary, SparseMoe, act_and_mul
 
 
 @dataclass
@@ -35,6 +37,12 @@ class DecoderConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means full attention everywhere
+    # mixture of experts: which layers have a sparse MoE MLP instead of the dense one (empty: none)
+    moe_layers: tuple[bool, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
 
     @classmethod
     def from_hf(cls, c: dict[str, Any], **family: Any) -> "DecoderConfig":
@@ -96,7 +104,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, dtype)
-        self.mlp = MLP(cfg, dtype)
+        if cfg.moe_layers and cfg.moe_layers[layer_idx]:
+            self.mlp = SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.experts_per_token,
+                                 cfg.norm_topk_prob, cfg.hidden_act, dtype)
+        else:
+            self.mlp = MLP(cfg, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -166,3 +178,56 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
         bias = c.get("attention_bias", False)
         return DecoderConfig.from_hf(c, qkv_bias=bias, o_bias=bias, qk_norm=True)
+
+
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3 with sparse MoE MLPs on every decoder_sparse_step-th layer not in mlp_only_layers."""
+    _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+    @classmethod
+    def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
+        cfg = super().parse_config(c)
+        step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
+        experts = c.get("num_experts", c.get("num_local_experts", 0))  # transformers 5 writes the latter
+        cfg.moe_layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
+        cfg.num_experts, cfg.experts_per_token = experts, c["num_experts_per_tok"]
+        cfg.moe_intermediate_size, cfg.norm_topk_prob = c["moe_intermediate_size"], c.get("norm_topk_prob", False)
+        return cfg
+
+    def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """Per-expert checkpoint tensors -> slices of the stacked expert weights."""
+        m = self._EXPERT.fullmatch(name)
+        if m is None:
+            return None
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        if proj == "down_proj":
+            return f"{prefix}.w2", expert
+        return f"{prefix}.w13", ("gate" if proj == "gate_proj" else "up", expert)
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Llama with a sparse MoE MLP (block_sparse_moe: experts w1 gate, w3 up, w2 down) on every layer; routing
+    weights always renormalised over the top k."""
+    _EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+    gguf_permutes_qk = True
+
+    @classmethod
+    def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
+        cfg = DecoderConfig.from_hf(c)
+        cfg.moe_layers = (True,) * cfg.num_layers
+        cfg.num_experts, cfg.experts_per_token = c["num_local_experts"], c["num_experts_per_tok"]
+        cfg.moe_intermediate_size, cfg.norm_topk_prob = c["intermediate_size"], True
+        if c.get("sliding_window") and not c.get("layer_types"):
+            cfg.sliding_windows = (c["sliding_window"],) * cfg.num_layers
+        return cfg
+
+    def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        if ".block_sparse_moe.gate." in name:
+            return name.replace(".block_sparse_moe.", ".mlp."), None
+        m = self._EXPERT.fullmatch(name)
+        if m is None:
+            return None
+        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        if proj == "w2":
+            return f"{prefix}.mlp.w2", expert
+        return f"{prefix}.mlp.w13", ("gate" if proj == "w1" else "up", expert)

@@ -66,6 +66,22 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[st
     return json.loads((p / "config.json").read_text()), _safetensors_tensors(files), None
 
 
+def _param_for(model: nn.Module, name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, object]:
+    """Checkpoint tensor name -> (parameter name, shard or None). A family may rename first
+    (`checkpoint_name`, e.g. per-expert tensors into fused expert weights); then projections that Resin fuses
+    (q/k/v, gate/up) map to their fused module and shard."""
+    rename = getattr(model, "checkpoint_name", None)
+    mapped = rename(name) if rename is not None else None
+    if mapped is not None:
+        return mapped
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            parts[i], shard = packed[part]
+            return ".".join(parts), shard
+    return name, None
+
+
 def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
@@ -75,13 +91,7 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
             continue
         if name.startswith("lm_head.") and "lm_head.weight" not in params:
             continue  # tied embeddings: the checkpoint may still carry a copy
-        shard = None
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part in packed:
-                parts[i], shard = packed[part]
-                break
-        target = ".".join(parts)
+        target, shard = _param_for(model, name, packed)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
@@ -90,9 +100,8 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         param.weight_loader(param, tensor, shard)
         loaded.add(target if shard is None else f"{target}:{shard}")
     expected = set()
-    for pname in params:
-        module = pname.rsplit(".", 2)[-2] if pname.count(".") else pname
-        shards = [s for _, (m, s) in packed.items() if m == module]
+    for pname, param in params.items():
+        shards = getattr(param, "shards", None)  # a parameter filled from several checkpoint tensors
         expected.update(f"{pname}:{s}" for s in shards) if shards else expected.add(pname)
     missing = sorted(expected - loaded)
     if missing:

@@ -14,13 +14,21 @@ TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_lay
             tie_word_embeddings=False)
 
 
+# mixture-of-experts families: few small experts, top-2 (intermediate_size is the expert size for Mixtral)
+TINY_FAMILY = {
+    "MixtralForCausalLM": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=32),
+    "Qwen3MoeForCausalLM": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True),
+}
+
+
 def tiny_hf_config(arch: str, **overrides: Any):
     from transformers import AutoConfig
 
     types = {v: k for k, v in MODEL_TYPES.items()}
     if arch not in types:
         raise ValueError(f"no tiny config for {arch!r}; architectures: {', '.join(MODEL_REGISTRY)}")
-    values = {**TINY, **overrides}
+    values = {**TINY, **TINY_FAMILY.get(arch, {}), **overrides}
     cfg = AutoConfig.for_model(types[arch], **values)
     cfg.architectures = [arch]
     return cfg

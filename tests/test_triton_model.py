@@ -11,7 +11,7 @@ import torch
 
 from conftest import KERNEL_DEVICE, save_tiny
 from parity import LogitsRecorder, hf_greedy, hf_logits
-from resin import SamplingParams
+from resin import SamplingParams, hal
 from resin.backends.triton import providers  # noqa: F401  (registers the "triton" providers)
 from resin.core.config import EngineConfig
 from resin.core.engine import LLMEngine
@@ -30,9 +30,10 @@ def triton_ops():
     deactivate()
 
 
-def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops):
-    hf = save_tiny(tmp_path, "Qwen3ForCausalLM", seed=3, num_hidden_layers=2, num_attention_heads=6,
-                   num_key_value_heads=2, head_dim=16, hidden_size=48)
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops, arch):
+    hf = save_tiny(tmp_path, arch, seed=3, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                   head_dim=16, hidden_size=48)
     loaded = load_model(tmp_path, torch.float32, KERNEL_DEVICE)
     rec = LogitsRecorder()
     config = EngineConfig(max_model_len=128, max_num_seqs=6, max_num_batched_tokens=40, graphs=True,
@@ -41,6 +42,8 @@ def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops):
                        num_blocks=24, logits_observer=rec)
     graphs = engine.runner.graphs
     assert type(engine.runner.attn).__name__ == "TritonAttention" and graphs is not None
+    if arch == "Qwen3MoeForCausalLM":  # routing and experts run the triton MoE kernels too
+        assert hal.MOE_ROUTE.providers["triton"] in hal.registry._ACTIVE["moe_route"]
     assert graphs.buckets == [1, 2, 4]
 
     rng = random.Random()

@@ -151,6 +151,8 @@ class TritonAttention(AttentionBackend):
             return f"KV cache dtype {dtype} is not supported by the triton attention kernel"
         if any(layer.head_size > 256 for layer in layers):
             return "head size > 256 does not fit the triton attention tile"
+        if any(layer.head_size < 16 for layer in layers):
+            return "head size < 16: tensor-core dots need 16 along the head dimension"
         return None
 
     # -- planning ---------------------------------------------------------------------------------------------
