@@ -59,3 +59,25 @@ def test_onednn_linear_matches_native(shape, out_features, with_bias):
         assert (got - ref).abs().max().item() <= 1e-2 * max(1.0, ref.abs().max().item())
     assert linear.supports_args(x.float(), w.float()) is not None  # fp32 stays on native
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_cpu_rotary_is_bit_equal_to_native(dtype, tokens, adjacent):
+    from resin.backends.cpu import rotary
+
+    h, hk, d = 9, 3, 64
+    cache = hal.rope_cos_sin_cache(d, 500, 10000.0, None)
+    pos = torch.randint(0, 500, (tokens,))
+    qkv = torch.randn(tokens, (h + 2 * hk) * d).to(dtype)
+    if adjacent:  # q and k as the fused projection leaves them: one row, side by side
+        q, k, _ = qkv.split([h * d, hk * d, hk * d], dim=-1)
+    else:
+        q, k = torch.randn(tokens, h * d).to(dtype), torch.randn(tokens, hk * d).to(dtype)
+    assert rotary.supports_args(pos, q, k, cache, d) is None
+    got, ref = rotary.rotary(pos, q, k, cache, d), hal.ROTARY.native(pos, q, k, cache, d)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert got[0].shape == q.shape and got[1].shape == k.shape
+    assert rotary.supports_args(pos, q, k, cache, d, is_neox=False) is not None
+    assert rotary.supports_args(pos, q, k, hal.rope_cos_sin_cache(32, 500, 10000.0, None), d) is not None

@@ -4,13 +4,11 @@ topk_weight, topk_ids, activation=...)` with w1 (E, 2I, H) gate rows first, w2 (
 weights pre-shuffled by `shuffle_weight(w, layout=(16, 16))`: done once per expert tensor and kept beside it."""
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from resin.backends.rocm.aiter import aiter_module
 
-_SHUFFLED: "weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor]" = weakref.WeakKeyDictionary()
+_ATTR = "_resin_aiter_shuffled"  # the shuffled copy is kept on the expert tensor itself
 
 
 def route_supports_args(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
@@ -53,9 +51,11 @@ def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 
 
 def _shuffled(w: torch.Tensor) -> torch.Tensor:
-    if w not in _SHUFFLED:
-        _SHUFFLED[w] = aiter_module("aiter.ops.shuffle").shuffle_weight(w, layout=(16, 16))
-    return _SHUFFLED[w]
+    shuffled = getattr(w, _ATTR, None)
+    if shuffled is None:
+        shuffled = aiter_module("aiter.ops.shuffle").shuffle_weight(w, layout=(16, 16))
+        setattr(w, _ATTR, shuffled)
+    return shuffled
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -4,13 +4,11 @@ int64; q/k 2-D (T, heads * head_size) with any token stride; cos and sin separat
 (max_pos, rot_dim / 2) in q's dtype, derived once per (cache, dtype) and kept beside the cache tensor."""
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from resin.backends.rocm.aiter import aiter_module
 
-_SPLIT: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
+_ATTR = "_resin_aiter_cos_sin"  # kept on the cache tensor itself, so it lives and dies with it
 
 
 def supports_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> str | None:
@@ -22,7 +20,10 @@ def supports_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *ar
 
 
 def _cos_sin(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    per_dtype = _SPLIT.setdefault(cache, {})
+    per_dtype = getattr(cache, _ATTR, None)
+    if per_dtype is None:
+        per_dtype = {}
+        setattr(cache, _ATTR, per_dtype)
     if dtype not in per_dtype:
         cos, sin = cache.chunk(2, dim=-1)
         per_dtype[dtype] = (cos.to(dtype).contiguous(), sin.to(dtype).contiguous())
