@@ -18,6 +18,7 @@ from resin.core.graph_runner import DecodeGraphs
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
 from resin.hal import ATTENTION, AttentionLayer, AttentionMetadata, ForwardContext
+from resin.hal.registry import graph_unsafe_ops
 
 log = logging.getLogger("resin.runner")
 
@@ -80,9 +81,12 @@ class ModelRunner:
         self.device = device
         layers = model.attention_layers
         self.attn = ATTENTION(layers, block_size, dtype, device)
-        graphs = graph_batch > 0 and self.attn.supports_graphs
-        if graph_batch > 0 and not graphs:
+        unsafe = graph_unsafe_ops() if graph_batch > 0 else []
+        graphs = graph_batch > 0 and self.attn.supports_graphs and not unsafe
+        if graph_batch > 0 and not self.attn.supports_graphs:
             log.warning("decode graphs off: attention provider %s is not graph-safe", type(self.attn).__name__)
+        elif unsafe:
+            log.warning("decode graphs off: these ops' providers cannot be captured: %s", ", ".join(unsafe))
         # With graphs, one extra block past the pool's is the scratch block that padding rows write to.
         cache_blocks = num_blocks + 1 if graphs else num_blocks
         self.kv_caches = [torch.zeros(self.attn.kv_cache_shape(cache_blocks, block_size, layer.num_kv_heads,
@@ -96,9 +100,14 @@ class ModelRunner:
             start = time.perf_counter()
             self.graphs = DecodeGraphs(model.forward, self.ctx, graph_batch, max_blocks,
                                        scratch_block=num_blocks, block_size=block_size, device=device)
-            self.graphs.capture()
-            log.info("captured decode graphs for batch sizes %s in %.1f s", self.graphs.buckets,
-                     time.perf_counter() - start)
+            try:
+                self.graphs.capture()
+            except RuntimeError as e:  # a provider that syncs or reshapes inside capture: serve eagerly instead
+                log.warning("decode graphs off: capture failed (%s); decode steps run eagerly", e)
+                self.graphs = None
+            else:
+                log.info("captured decode graphs for batch sizes %s in %.1f s", self.graphs.buckets,
+                         time.perf_counter() - start)
 
     def release(self, req: Request) -> None:
         self.block_tables.release(req)

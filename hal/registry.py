@@ -29,26 +29,27 @@ class Provider:
     fn: Callable[..., Any]
     supported: SupportedFn = always
     supports_args: SupportsArgsFn | None = None
+    graph_safe: bool = True  # may run inside graph capture: no host syncs, no data-dependent shapes
 
 
 class Op:
     """A HAL op. Calling it runs the active backend's chain of providers for this op."""
 
-    def __init__(self, name: str, native: Callable[..., Any], doc: str = ""):
+    def __init__(self, name: str, native: Callable[..., Any], doc: str = "", native_graph_safe: bool = True):
         self.name = name
         self.native = native
         self.__doc__ = doc or native.__doc__
-        self.providers: dict[str, Provider] = {"native": Provider("native", native)}
+        self.providers: dict[str, Provider] = {"native": Provider("native", native, graph_safe=native_graph_safe)}
         _OPS[name] = self
 
-    def register(self, name: str, supported: SupportedFn = always,
-                 supports_args: SupportsArgsFn | None = None) -> Callable[[Callable], Callable]:
+    def register(self, name: str, supported: SupportedFn = always, supports_args: SupportsArgsFn | None = None,
+                 graph_safe: bool = True) -> Callable[[Callable], Callable]:
         """Decorator used by backends: `@RMS_NORM.register("triton", supported=..., supports_args=...)`."""
         if name == "native":
             raise ValueError("'native' is the op's own definition and cannot be replaced")
 
         def deco(fn: Callable) -> Callable:
-            self.providers[name] = Provider(name, fn, supported, supports_args)
+            self.providers[name] = Provider(name, fn, supported, supports_args, graph_safe)
             return fn
         return deco
 
@@ -150,9 +151,14 @@ def activate_chains(chains: dict[str, tuple[Provider, ...]]) -> None:
     _ACTIVE.clear()
     for name, chain in chains.items():
         if _TRACING is not None:
-            chain = tuple(Provider(p.name, _recording(name, p.fn, _TRACING), p.supported, p.supports_args)
-                          for p in chain)
+            chain = tuple(Provider(p.name, _recording(name, p.fn, _TRACING), p.supported, p.supports_args,
+                                   p.graph_safe) for p in chain)
         _ACTIVE[name] = chain
+
+
+def graph_unsafe_ops() -> list[str]:
+    """Active ops whose first provider cannot run inside graph capture (with the provider's name)."""
+    return [f"{name} ({chain[0].name})" for name, chain in sorted(_ACTIVE.items()) if chain and not chain[0].graph_safe]
 
 
 def deactivate() -> None:

@@ -133,11 +133,33 @@ class Fp8Linear(nn.Module):
         return hal.FP8_LINEAR(x, self.weight, self.weight_scale, self.input_scale, self.bias)
 
 
+def checkpoint_names(model: nn.Module, name: str) -> list[list[str]]:
+    """The checkpoint's names for Resin module `name`, one list of aliases per shard: a fused projection has a
+    shard per source (q/k/v_proj for qkv_proj), and a family may name a module differently
+    (`checkpoint_module_names`, e.g. Mixtral's block_sparse_moe for Resin's mlp)."""
+    parent, _, leaf = name.rpartition(".")
+    sources = [src for src, (fused, _) in getattr(model, "packed_modules", {}).items() if fused == leaf]
+    shards = [f"{parent}.{src}" if parent else src for src in sources] or [name]
+    aliases = getattr(model, "checkpoint_module_names", None)
+    return [aliases(n) if aliases else [n] for n in shards]
+
+
+def _ignored(model: nn.Module, name: str, config: Fp8Config) -> bool:
+    shards = checkpoint_names(model, name)
+    ignored = [any(config.ignores(alias) for alias in aliases) for aliases in shards]
+    if any(ignored) and not all(ignored):
+        raise ValueError(f"the checkpoint quantises only some of {[a[0] for a in shards]}, which Resin runs as one "
+                         f"fused GEMM ({name}); quantise all of them or none")
+    return all(ignored)
+
+
 def quantize_linears(model: nn.Module, config: Fp8Config) -> list[str]:
-    """Replace every Linear / MergedLinear not ignored by an Fp8Linear; returns the names replaced."""
+    """Replace every Linear / MergedLinear not ignored by an Fp8Linear; returns the names replaced. Ignore lists
+    name checkpoint modules, so they are matched against each module's checkpoint names."""
     # lm_head stays in the model dtype: compute_logits reads its weight directly (checkpoints ignore it too)
     targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, (Linear, MergedLinear)) and name != "lm_head" and not config.ignores(name)]
+               if isinstance(module, (Linear, MergedLinear)) and name != "lm_head"
+               and not _ignored(model, name, config)]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -221,6 +221,10 @@ class MixtralForCausalLM(LlamaForCausalLM):
             cfg.sliding_windows = (c["sliding_window"],) * cfg.num_layers
         return cfg
 
+    def checkpoint_module_names(self, name: str) -> list[str]:
+        """Resin's `mlp` is the checkpoint's `block_sparse_moe` (fp8 ignore lists use the latter)."""
+        return [name, name.replace(".mlp.", ".block_sparse_moe.")] if ".mlp." in name else [name]
+
     def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
         if ".block_sparse_moe.gate." in name:
             return name.replace(".block_sparse_moe.", ".mlp."), None

@@ -119,6 +119,12 @@ def test_fp8_checkpoint_loads_and_runs(tmp_path, per_channel, static):
     ref = torch.cat([dequant[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(w, ref)
     assert (attn.qkv_proj.input_scale is not None) == static
+    if static:  # one activation scale for the fused GEMM: the largest of the shards' (vLLM's rule)
+        from safetensors.torch import load_file
+
+        ckpt = load_file(str(tmp_path / "model.safetensors"))
+        shard_scales = [ckpt[f"model.layers.0.self_attn.{p}_proj.input_scale"] for p in "qkv"]
+        assert attn.qkv_proj.input_scale.item() == max(x.item() for x in shard_scales)
 
     # on gfx942 the same checkpoint becomes e4m3fnuz with identical dequantised weights
     fnuz = load_model(tmp_path, torch.float32, torch.device("cpu"), fp8_dtype=FNUZ).model
@@ -137,6 +143,24 @@ def test_fp8_checkpoint_loads_and_runs(tmp_path, per_channel, static):
         ref_logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
     agree = (ref_logits.argmax(-1) == torch.tensor(tokens)).float().mean().item()
     assert agree >= 0.75, f"fp8 greedy tokens agree with the dequantised model on {agree:.0%} of steps"
+
+
+def test_ignore_lists_use_checkpoint_names():
+    from resin.models.fp8 import Fp8Config, quantize_linears
+    from resin.models.llama import MixtralForCausalLM
+    from resin.tiny import tiny_hf_config
+
+    cfg = MixtralForCausalLM.parse_config(tiny_hf_config("MixtralForCausalLM").to_dict())
+    model = MixtralForCausalLM(cfg)
+    replaced = quantize_linears(model, Fp8Config(static_input=False, ignore=(
+        "lm_head", "re:.*block_sparse_moe.gate", "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+        "model.layers.1.self_attn.v_proj")))
+    assert "model.layers.0.mlp.gate" not in replaced  # the router, under its checkpoint name
+    assert "model.layers.1.self_attn.qkv_proj" not in replaced  # all three shards ignored
+    assert "model.layers.0.self_attn.qkv_proj" in replaced and "model.layers.1.self_attn.o_proj" in replaced
+    with pytest.raises(ValueError, match="quantises only some of"):
+        quantize_linears(MixtralForCausalLM(cfg), Fp8Config(static_input=False,
+                                                            ignore=("model.layers.0.self_attn.q_proj",)))
 
 
 def test_unsupported_quantisation_is_a_clear_error():

@@ -38,7 +38,8 @@ def test_cpu_selection_table():
         assert linear_chain == ["onednn", "native"]
     else:
         assert linear_chain == ["native"] and sel.table["linear"].skipped[0][0] == "onednn"
-    assert all(c.chosen == "native" for name, c in sel.table.items() if name not in ("attention", "linear"))
+    assert [p.name for p in sel.table["rotary"].chain] == ["cpu", "native"]
+    assert all(c.chosen == "native" for name, c in sel.table.items() if name not in ("attention", "linear", "rotary"))
     text = sel.format_table()
     assert "rms_norm" in text and "only provider on this backend" in text and "first in priority order" in text
 

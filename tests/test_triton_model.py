@@ -64,3 +64,19 @@ def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops, a
         diff = (rec.of(str(i)).cpu() - ref).abs().max().item()
         assert diff <= 1e-3, f"prompt {i}: max |logit diff| {diff:.2e}"
         assert got == hf_greedy(hf, prompt, max_tokens)
+
+
+def test_graphs_stay_off_when_a_chosen_provider_cannot_be_captured(tmp_path, triton_ops, caplog):
+    """The native fused_moe loops over the experts present (a host sync), so with it first in the chain the
+    runner must not capture, and must say why."""
+    save_tiny(tmp_path, "Qwen3MoeForCausalLM", seed=4, num_hidden_layers=1, mlp_only_layers=[])
+    loaded = load_model(tmp_path, torch.float32, KERNEL_DEVICE)
+    chains = dict(hal.registry._ACTIVE)
+    chains["fused_moe"] = (hal.FUSED_MOE.providers["native"],)
+    activate_chains(chains)
+    config = EngineConfig(max_model_len=64, max_num_seqs=2, graphs=True, max_graph_batch=2)
+    with caplog.at_level("WARNING", logger="resin.runner"):
+        engine = LLMEngine(loaded.model, config, loaded.model.config.vocab_size, torch.float32, KERNEL_DEVICE,
+                           num_blocks=8)
+    assert engine.runner.graphs is None
+    assert "fused_moe (native)" in caplog.text

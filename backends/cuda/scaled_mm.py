@@ -34,9 +34,18 @@ def supports_args(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Ten
     return None
 
 
+_REFUSED = "_resin_scaled_mm_refused"  # set on a weight whose GEMM torch._scaled_mm rejected at run time
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch._scaled_mm; where this torch/BLAS build rejects the scale layout (row-wise needs torch >= 2.7 on
+    ROCm and hipBLASLt), the Triton GEMM serves this weight from then on."""
+    from resin.backends.triton.fp8 import fp8_linear as triton_fp8_linear
     from resin.backends.triton.fp8 import quantize_fp8
+
+    if getattr(weight, _REFUSED, False):
+        return triton_fp8_linear(x, weight, weight_scale, input_scale, bias)
 
     x2 = x.reshape(-1, x.shape[-1])
     xq, xs = quantize_fp8(x2, weight.dtype, input_scale)
@@ -46,5 +55,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     else:
         scale_a = xs.reshape(-1, 1).expand(x2.shape[0], 1).contiguous()
         scale_b = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()
-    out = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=x.dtype)
+    try:
+        out = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=x.dtype)
+    except RuntimeError:
+        setattr(weight, _REFUSED, True)
+        return triton_fp8_linear(x, weight, weight_scale, input_scale, bias)
     return out.reshape(*x.shape[:-1], n)

@@ -24,9 +24,10 @@ def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, k, x_stride, fmax, min_scale, m
     if STATIC:
         scale = tl.load(s_ptr)
     else:
-        scale = tl.maximum(tl.max(tl.abs(x), 0) / fmax, min_scale)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), fmax), min_scale)
         tl.store(s_ptr + row, scale)
-    q = tl.minimum(tl.maximum(x / scale, -fmax), fmax)
+    # div_rn: correctly rounded like torch's division (plain `/` lowers to an approximate divide on NVIDIA)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fmax), fmax)
     # Round to the fp8 grid (nearest even) in fp32 first, so the cast below is exact. Triton's CPU interpreter
     # (3.9) rounds fp8 casts wrongly (it drops the carry into the next binade, 124.3 -> 64, and truncates
     # subnormals), and an explicit rounding costs nothing in a memory-bound kernel. Normal range: keep 3 mantissa

@@ -32,18 +32,18 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, num_experts, logits_stri
     if HAS_BIAS:
         choose = scores + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
     choose = tl.where(ok, choose, float("-inf"))
-    total = 0.0
+    # the k picks stay in registers (one store at the end): no lane reads another lane's global writes
+    k = tl.arange(0, TOP_K)
+    ids = tl.zeros([TOP_K], tl.int32)
+    ws = tl.zeros([TOP_K], tl.float32)
     for i in tl.static_range(TOP_K):
         best = tl.argmax(choose, 0)
-        w = tl.sum(tl.where(e == best, scores, 0.0), 0)
-        total += w
-        tl.store(ids_ptr + tok * TOP_K + i, best.to(tl.int32))
-        tl.store(w_ptr + tok * TOP_K + i, w)
+        ids = tl.where(k == i, best.to(tl.int32), ids)
+        ws = tl.where(k == i, tl.sum(tl.where(e == best, scores, 0.0), 0), ws)
         choose = tl.where(e == best, float("-inf"), choose)
-    k = tl.arange(0, TOP_K)
-    ws = tl.load(w_ptr + tok * TOP_K + k)
     if RENORM:
-        ws = ws / total
+        ws = ws / tl.sum(ws, 0)
+    tl.store(ids_ptr + tok * TOP_K + k, ids)
     tl.store(w_ptr + tok * TOP_K + k, ws * scaling)
 
 
@@ -81,7 +81,8 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tu
     a multiple of block_m with the sentinel T*k; block_expert[b] is the expert of block b, or -1 past the end."""
     flat = topk_ids.flatten().long()
     n = flat.shape[0]
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount reads the id range back to the host, which graph capture forbids
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)

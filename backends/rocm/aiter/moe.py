@@ -1,20 +1,24 @@
 """aiter MoE: routing by `topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, need_renorm)`
 (plus `grouped_topk` / `biased_grouped_topk` for grouped routing), and `aiter.fused_moe.fused_moe(hidden, w1, w2,
 topk_weight, topk_ids, activation=...)` with w1 (E, 2I, H) gate rows first, w2 (E, H, I). Its CK kernels want
-weights pre-shuffled by `shuffle_weight(w, layout=(16, 16))`: done once per expert tensor and kept beside it."""
+weights pre-shuffled by `shuffle_weight(w, layout=(16, 16))`: done on the first call, in place (as vLLM does at
+load time), so expert memory is not doubled. The weights are then only valid for aiter; this provider accepts
+every later call for them (its checks depend on shapes and dtypes only), so no other provider sees them."""
 from __future__ import annotations
 
 import torch
 
 from resin.backends.rocm.aiter import aiter_module
 
-_ATTR = "_resin_aiter_shuffled"  # the shuffled copy is kept on the expert tensor itself
+_ATTR = "_resin_aiter_shuffled"  # marks an expert tensor whose storage now holds aiter's shuffled layout
 
 
 def route_supports_args(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
                         num_expert_group: int | None = None, topk_group: int | None = None,
                         correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0) -> str | None:
     if num_expert_group:
+        if correction_bias is not None and scoring != "sigmoid":
+            return "aiter biased_grouped_topk scores with sigmoid only"
         return None  # grouped_topk / biased_grouped_topk
     if scoring != "softmax" or correction_bias is not None or routed_scaling_factor != 1.0:
         return "aiter topk_softmax: plain softmax top-k only"
@@ -43,6 +47,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
 
 def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                             topk_ids: torch.Tensor, activation: str = "silu") -> str | None:
+    if getattr(w13, _ATTR, False):
+        return None  # already shuffled for aiter: nothing else can read these weights now
     if x.dtype not in (torch.float16, torch.bfloat16) or w13.dtype != x.dtype:
         return f"{x.dtype} activations / {w13.dtype} experts: aiter fused_moe runs fp16/bf16"
     if w13.shape[1] % 16 or w13.shape[2] % 32 or w2.shape[1] % 16 or w2.shape[2] % 32:
@@ -51,11 +57,10 @@ def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 
 
 def _shuffled(w: torch.Tensor) -> torch.Tensor:
-    shuffled = getattr(w, _ATTR, None)
-    if shuffled is None:
-        shuffled = aiter_module("aiter.ops.shuffle").shuffle_weight(w, layout=(16, 16))
-        setattr(w, _ATTR, shuffled)
-    return shuffled
+    if not getattr(w, _ATTR, False):
+        w.data = aiter_module("aiter.ops.shuffle").shuffle_weight(w.data, layout=(16, 16))
+        setattr(w, _ATTR, True)
+    return w
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
