@@ -72,6 +72,15 @@ _ACTIVE: dict[str, tuple[Provider, ...]] = {}
 _TRACING: set[str] | None = None  # set only inside trace_ops()
 
 
+def derived(tensor: Any, key: Any, make: Callable[[], Any]) -> Any:
+    """A value a provider derives from a tensor once (a cast table, a repacked weight), kept on the tensor itself
+    so it lives and dies with it. Tensors compare by value, so they cannot key a (weak) dictionary."""
+    memo = tensor.__dict__.setdefault("_resin_derived", {})
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def all_ops() -> dict[str, Op]:
     return dict(_OPS)
 
@@ -154,6 +163,16 @@ def activate_chains(chains: dict[str, tuple[Provider, ...]]) -> None:
             chain = tuple(Provider(p.name, _recording(name, p.fn, _TRACING), p.supported, p.supports_args,
                                    p.graph_safe) for p in chain)
         _ACTIVE[name] = chain
+
+
+def needs_fp8(supported: SupportedFn) -> SupportedFn:
+    """`supported`, and the platform has an fp8 dtype."""
+    def check(platform: Platform) -> tuple[bool, str]:
+        ok, why = supported(platform)
+        if ok and platform.fp8_dtype is None:
+            return False, f"{platform.arch}: no fp8"
+        return ok, why
+    return check
 
 
 def graph_unsafe_ops() -> list[str]:

@@ -180,6 +180,18 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         return DecoderConfig.from_hf(c, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
+def expert_slice(pattern: re.Pattern, name: str, mlp: str, gate: str, up: str) -> tuple[str, Any] | None:
+    """A per-expert checkpoint tensor (pattern groups: prefix, expert, projection) -> its slice of SparseMoe's
+    stacked weights: w13 shard (gate | up, expert) or w2 shard expert. `mlp` is the MoE module under prefix."""
+    m = pattern.fullmatch(name)
+    if m is None:
+        return None
+    prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+    if proj not in (gate, up):
+        return f"{prefix}{mlp}.w2", expert
+    return f"{prefix}{mlp}.w13", ("gate" if proj == gate else "up", expert)
+
+
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3 with sparse MoE MLPs on every decoder_sparse_step-th layer not in mlp_only_layers."""
     _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -196,13 +208,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
         """Per-expert checkpoint tensors -> slices of the stacked expert weights."""
-        m = self._EXPERT.fullmatch(name)
-        if m is None:
-            return None
-        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-        if proj == "down_proj":
-            return f"{prefix}.w2", expert
-        return f"{prefix}.w13", ("gate" if proj == "gate_proj" else "up", expert)
+        return expert_slice(self._EXPERT, name, "", "gate_proj", "up_proj")
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -228,10 +234,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
         if ".block_sparse_moe.gate." in name:
             return name.replace(".block_sparse_moe.", ".mlp."), None
-        m = self._EXPERT.fullmatch(name)
-        if m is None:
-            return None
-        prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-        if proj == "w2":
-            return f"{prefix}.mlp.w2", expert
-        return f"{prefix}.mlp.w13", ("gate" if proj == "w1" else "up", expert)
+        return expert_slice(self._EXPERT, name, ".mlp", "w1", "w3")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-_ATTR = "_resin_cpu_rope_tables"  # kept on the cache tensor itself, so it lives and dies with it
+from resin.hal.registry import derived
 
 
 def supports_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -26,15 +26,11 @@ def supports_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos
 
 def _table(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(max_pos, 2, head_size): [cos | cos] and [-sin | sin] in the activation dtype."""
-    per_dtype = getattr(cache, _ATTR, None)
-    if per_dtype is None:
-        per_dtype = {}
-        setattr(cache, _ATTR, per_dtype)
-    if dtype not in per_dtype:
+    def make() -> torch.Tensor:
         cos, sin = cache.chunk(2, dim=-1)
-        per_dtype[dtype] = torch.stack((torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)),
-                                       dim=1).contiguous()
-    return per_dtype[dtype]
+        return torch.stack((torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)),
+                           dim=1).contiguous()
+    return derived(cache, ("cpu_rope", dtype), make)
 
 
 def _rotate(x: torch.Tensor, table: torch.Tensor, half: int) -> torch.Tensor:

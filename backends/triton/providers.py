@@ -11,6 +11,7 @@ from resin.hal.fp8 import FP8_LINEAR
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import FUSED_ADD_RMS_NORM, GELU_AND_MUL, RMS_NORM, ROTARY, SILU_AND_MUL
 from resin.hal.platform import Platform
+from resin.hal.registry import needs_fp8
 
 _MIN_SM = 80  # bf16 tensor cores
 _ROCM_ARCHS = ("gfx90a", "gfx942", "gfx950")
@@ -28,11 +29,7 @@ def supported(platform: Platform) -> tuple[bool, str]:
     return True, ""
 
 
-def fp8_supported(platform: Platform) -> tuple[bool, str]:
-    ok, why = supported(platform)
-    if ok and platform.fp8_dtype is None:
-        return False, f"{platform.arch}: no fp8"
-    return ok, why
+fp8_supported = needs_fp8(supported)
 
 
 def _lazy(module: str, attr: str) -> Callable[..., Any]:

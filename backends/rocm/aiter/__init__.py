@@ -15,6 +15,7 @@ import importlib
 from typing import Any
 
 from resin.hal.platform import Platform
+from resin.hal.registry import needs_fp8
 
 ARCHS = ("gfx942", "gfx950")  # CDNA3 / CDNA4, as vLLM gates aiter
 
@@ -29,11 +30,7 @@ def supported(platform: Platform) -> tuple[bool, str]:
     return True, ""
 
 
-def fp8_supported(platform: Platform) -> tuple[bool, str]:
-    ok, why = supported(platform)
-    if ok and platform.fp8_dtype is None:
-        return False, f"{platform.arch}: no fp8"
-    return ok, why
+fp8_supported = needs_fp8(supported)
 
 
 def aiter_module(name: str = "aiter") -> Any:

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 
 from resin.backends.rocm.aiter import aiter_module
-
-_ATTR = "_resin_aiter_cos_sin"  # kept on the cache tensor itself, so it lives and dies with it
+from resin.hal.registry import derived
 
 
 def supports_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *args, **kwargs) -> str | None:
@@ -20,14 +19,10 @@ def supports_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, *ar
 
 
 def _cos_sin(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    per_dtype = getattr(cache, _ATTR, None)
-    if per_dtype is None:
-        per_dtype = {}
-        setattr(cache, _ATTR, per_dtype)
-    if dtype not in per_dtype:
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = cache.chunk(2, dim=-1)
-        per_dtype[dtype] = (cos.to(dtype).contiguous(), sin.to(dtype).contiguous())
-    return per_dtype[dtype]
+        return cos.to(dtype).contiguous(), sin.to(dtype).contiguous()
+    return derived(cache, ("aiter_cos_sin", dtype), make)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
