@@ -3,8 +3,9 @@
 
     python bench/attention_paths.py
 
-Decode: SDPA with a padding mask vs fp32 SDPA vs two plain matmuls with the GQA heads stacked. Prefill: one
-padded, masked SDPA call over all sequences vs one causal SDPA call per sequence.
+Decode: SDPA with a padding mask vs fp32 SDPA vs two plain matmuls with the GQA heads stacked, in bf16 and with
+K/V upcast to fp32 (faster for few sequences). Block gather: advanced indexing vs index_select over whole block
+rows. Prefill: one padded, masked SDPA call over all sequences vs one causal SDPA call per sequence.
 """
 from __future__ import annotations
 
@@ -29,15 +30,25 @@ def decode_paths(b: int, length: int, h: int = 9, hk: int = 3, d: int = 64) -> d
     v = torch.randn_like(k)
     mask = torch.ones(b, 1, 1, length, dtype=torch.bool)
 
-    def matmuls():
-        qg = q.view(b, hk, h // hk, d)
-        s = torch.matmul(qg, k.transpose(-1, -2)).float() * d ** -0.5
-        return torch.matmul(torch.softmax(s, -1).to(v.dtype), v)
+    def matmuls(upcast: bool):
+        qg, kk, vv = q.view(b, hk, h // hk, d), k, v
+        if upcast:
+            qg, kk, vv = qg.float(), kk.float(), vv.float()
+        s = torch.matmul(qg, kk.transpose(-1, -2)) * d ** -0.5
+        return torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(vv.dtype), vv)
 
     return {"sdpa_bf16": bench(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)),
             "sdpa_fp32": bench(lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(),
                                                                       attn_mask=mask, enable_gqa=True)),
-            "matmuls_bf16": bench(matmuls)}
+            "matmuls_bf16": bench(lambda: matmuls(False)), "matmuls_kv_upcast_fp32": bench(lambda: matmuls(True))}
+
+
+def gather_paths(b: int, blocks_per_seq: int, hk: int = 3, d: int = 64, bs: int = 16) -> dict[str, float]:
+    cache = torch.randn(2, hk, 4096, bs, d).to(torch.bfloat16)
+    blocks = torch.randperm(4096)[:b * blocks_per_seq]
+    flat = cache.view(2 * hk, 4096, bs * d)
+    return {"advanced_indexing": bench(lambda: cache[:, :, blocks]),
+            "index_select_rows": bench(lambda: torch.index_select(flat, 1, blocks))}
 
 
 def prefill_paths(lengths: list[int], h: int = 9, hk: int = 3, d: int = 64) -> dict[str, float]:
@@ -59,8 +70,10 @@ def prefill_paths(lengths: list[int], h: int = 9, hk: int = 3, d: int = 64) -> d
 
 def main() -> None:
     torch.manual_seed(0)
-    for b, length in ((1, 300), (32, 90), (32, 300)):
+    for b, length in ((1, 160), (1, 300), (4, 160), (8, 160), (32, 90), (32, 300)):
         print(f"decode  B={b:<3} L={length:<4}", {k: f"{v:.3f} ms" for k, v in decode_paths(b, length).items()})
+    for b in (1, 8, 32):
+        print(f"gather  B={b:<3} 12 blocks", {k: f"{v:.3f} ms" for k, v in gather_paths(b, 12).items()})
     rng = random.Random(0)
     lengths = [rng.randint(22, 200) for _ in range(32)]
     print("prefill 32 seqs of 22-200", {k: f"{v:.2f} ms" for k, v in prefill_paths(lengths).items()})

@@ -1,11 +1,12 @@
 """CPU paged attention: each batch shape on its fastest plain-torch path (measured in bench/attention_paths.py).
 
 A step's sequences are split into decodes (one query each) and prefill chunks.
-- Decodes run together. The cache is head-major (2, Hk, blocks, block_size, D), so one index over the block
-  tables gathers whole blocks of K and V for every KV head into a contiguous (2, Hk*B, L, D) batch (twice as
-  fast as gathering token slots, and no transposing copy before the matmul); then one bmm for scores and one for
-  values with the query heads sharing each KV head stacked (GQA without copying K/V), and an fp32 softmax. For
-  one query row this beat SDPA 5-10x in bf16.
+- Decodes run together. The cache is head-major (2, Hk, blocks, block_size, D), so one index_select over the
+  block tables gathers whole blocks of K and V for every KV head into a contiguous (2, Hk*B, L, D) batch (no
+  transposing copy before the matmul); then one baddbmm (scale + additive mask) for scores and one bmm for values
+  with the query heads sharing each KV head stacked (GQA without copying K/V), and an fp32 softmax. For one
+  query row this beat SDPA 5-10x in bf16 at batch 32; for a few sequences K/V are upcast and the matmuls run
+  in fp32, which torch's small-shape kernels do faster than bf16.
 - Prefill chunks run one sequence at a time through torch's fused SDPA: causal without a mask when the chunk is
   the whole context, with a small mask when it continues cached context or has a sliding window. Padding
   sequences of different lengths into one masked call measured 2x slower.
@@ -19,6 +20,16 @@ import torch
 import torch.nn.functional as F
 
 from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata
+
+
+_FP32_DECODE_ROWS = 12  # KV heads x decode sequences up to which decode attention runs in fp32
+
+
+def gather_blocks(kv_cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """(2, Hk, n, block_size, D) copy of the listed blocks. index_select over whole rows of block_size * D
+    copies row by row; advanced indexing (kv_cache[:, :, blocks]) went element by element, 4-5x slower."""
+    two, hk, nb, bs, d = kv_cache.shape
+    return torch.index_select(kv_cache.view(two * hk, nb, bs * d), 1, blocks).view(two, hk, -1, bs, d)
 
 
 @dataclass
@@ -67,15 +78,20 @@ class CpuAttention(AttentionBackend):
             self.decode_lens = lens
             self.decode_valid = key_pos.unsqueeze(0) < lens.unsqueeze(1)  # (B, L)
             self.decode_key_pos = key_pos
-        self._windows: dict[int, torch.Tensor] = {}
+        self._biases: dict[tuple, torch.Tensor] = {}
 
-    def _decode_mask(self, window: int | None) -> torch.Tensor:
-        if window is None:
-            return self.decode_valid
-        if window not in self._windows:
-            recent = self.decode_key_pos.unsqueeze(0) > (self.decode_lens - 1 - window).unsqueeze(1)
-            self._windows[window] = self.decode_valid & recent
-        return self._windows[window]
+    def _decode_bias(self, window: int | None, kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (Hk*B, G, L): 0 where a key is visible, -inf elsewhere; made once per step."""
+        key = (window, kv_heads, group, dtype)
+        if key not in self._biases:
+            visible = self.decode_valid
+            if window is not None:
+                visible = visible & (self.decode_key_pos.unsqueeze(0) > (self.decode_lens - 1 - window).unsqueeze(1))
+            bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+            b, length = visible.shape
+            self._biases[key] = bias.view(1, b, 1, length).expand(kv_heads, b, group, length).reshape(
+                kv_heads * b, group, length)
+        return self._biases[key]
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,20 +118,24 @@ class CpuAttention(AttentionBackend):
         g = h // hk
         # One gather of whole blocks for K and V of every KV head: (2, Hk, B, nblk, bs, D), contiguous, so each
         # (KV head, sequence) pair is a (L, D) matrix and one bmm covers them all without copying K/V again.
-        kv = kv_cache[:, :, self.decode_blocks]
-        length = kv.shape[3] * kv.shape[4]
-        kv = kv.view(2, hk * b, length, d)
+        length = self.decode_valid.shape[1]
+        kv = gather_blocks(kv_cache, self.decode_blocks.flatten()).view(2, hk * b, length, d)
         qg = q.view(b, hk, g, d).transpose(0, 1).reshape(hk * b, g, d)  # query heads grouped by KV head
-        scores = torch.bmm(qg, kv[0].transpose(1, 2)).float().mul_(layer.scale).view(hk, b, g, length)
-        mask = ~self._decode_mask(layer.sliding_window).view(1, b, 1, length)
-        probs = torch.softmax(scores.masked_fill_(mask, float("-inf")), dim=-1).to(kv.dtype)
-        out = torch.bmm(probs.view(hk * b, g, length), kv[1])  # (Hk*B, G, D)
+        # For a few (KV head, sequence) pairs the bf16 bmm kernels cost more than upcasting K/V and running
+        # fp32 ones (bench/attention_paths.py: faster at batch 1-4 with 3 KV heads, several times slower from batch 8).
+        if hk * b <= _FP32_DECODE_ROWS and kv.dtype != torch.float32:
+            kv, qg = kv.float(), qg.float()
+        # scale and mask in one op; the softmax runs in fp32
+        scores = torch.baddbmm(self._decode_bias(layer.sliding_window, hk, g, kv.dtype), qg, kv[0].transpose(1, 2),
+                               alpha=layer.scale)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(kv.dtype)
+        out = torch.bmm(probs, kv[1]).to(q.dtype)  # (Hk*B, G, D)
         return out.view(hk, b, g, d).transpose(0, 1).reshape(b, h, d)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer, p: _Prefill) -> torch.Tensor:
         """q (q_len, H, D) of one sequence whose context is p.seq_len tokens (the chunk is its tail)."""
         h, hk = layer.num_heads, layer.num_kv_heads
-        kv = kv_cache[:, :, p.blocks].flatten(2, 3)[:, :, :p.seq_len]  # (2, Hk, seq_len, D)
+        kv = gather_blocks(kv_cache, p.blocks).flatten(2, 3)[:, :, :p.seq_len]  # (2, Hk, seq_len, D)
         keys, values = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
         qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, q_len, D)
         window = layer.sliding_window
