@@ -154,9 +154,33 @@ def test_cuda_table(arch):
     assert "aiter" not in sel.format_table()  # not part of this backend
 
 
+def test_cuda_attention_libraries_follow_triton():
+    sel = hal.describe_backend("cuda", arch="sm_90", libraries=frozenset({"triton", "flashinfer", "flash_attn"}))
+    assert [p.name for p in sel.table["attention"].chain] == ["triton", "flashinfer", "flash_attn", "native"]
+    alone = hal.describe_backend("cuda", arch="sm_90", libraries=frozenset({"flashinfer"}))
+    assert alone.table["attention"].chosen == "flashinfer"
+    assert not hal.ATTENTION.providers["flashinfer"].graph_safe
+
+
+def test_flash_attn_and_flashinfer_say_what_they_cannot_serve():
+    from resin.backends.cuda.flash_attn_attention import FlashAttnAttention
+    from resin.backends.cuda.flashinfer_attention import FlashInferAttention
+
+    layer, cuda = hal.AttentionLayer(32, 8, 128, 128 ** -0.5), torch.device("cpu")
+    assert "256" in FlashAttnAttention.unsupported_reason([layer], 16, torch.bfloat16, cuda)
+    assert FlashAttnAttention.unsupported_reason([layer], 256, torch.bfloat16, cuda) is None
+    sink = hal.AttentionLayer(32, 8, 128, 1.0, has_sinks=True)
+    assert "sinks" in FlashAttnAttention.unsupported_reason([sink], 256, torch.bfloat16, cuda)
+    assert FlashInferAttention.unsupported_reason([layer], 16, torch.bfloat16, cuda) is None
+    assert "fp16/bf16" in FlashInferAttention.unsupported_reason([layer], 16, torch.float32, cuda)
+    odd = hal.AttentionLayer(8, 8, 96, 1.0)
+    assert "head sizes" in FlashInferAttention.unsupported_reason([odd], 16, torch.bfloat16, cuda)
+
+
 def test_gpu_tables_without_triton_fall_back_to_native():
     for backend, arch in (("cuda", "sm_90"), ("rocm", "gfx942")):
         sel = hal.describe_backend(backend, arch=arch, libraries=frozenset())
+        assert "not importable" in dict(sel.table["attention"].skipped)["triton"]
         assert all(c.chosen in ("native", "torch_graphs") for c in sel.table.values())
         assert "triton is not importable" in dict(sel.table["rms_norm"].skipped)["triton"]
     old = hal.describe_backend("cuda", arch="sm_75", libraries=frozenset({"triton"}))

@@ -3,22 +3,44 @@
 graphs. Ops without a kernel here (embedding, linear) run torch's own CUDA implementations (cuBLAS), which is
 what their native definition calls.
 
-flash-attn and flashinfer are not wired in: upstream flash-attn 2 needs KV pages of 256 tokens (Resin's blocks
-are 16), and flashinfer's plan() is not graph-safe; the Triton attention kernel serves every configuration.
+Attention: the Triton kernel first (graph-safe, every configuration); flashinfer and flash-attn, where installed,
+follow it in the chain (they serve what it declines, or everything with --ops attention=flashinfer): neither is
+graph-safe here, and upstream flash-attn 2 pages KV only in multiples of 256 tokens (Resin's blocks are 16).
 """
 from resin.backends.cuda import graphs, scaled_mm
+from resin.backends.cuda.flash_attn_attention import FlashAttnAttention
+from resin.backends.cuda.flashinfer_attention import FlashInferAttention
 from resin.backends.triton import providers as _triton  # noqa: F401  (registers the "triton" providers)
+from resin.hal.attention import ATTENTION
 from resin.hal.fp8 import FP8_LINEAR
 from resin.hal.graphs import CAPTURE_GRAPH
+from resin.hal.platform import Platform
 from resin.hal.selection import BackendSpec
+
+
+def _library(name: str, pip: str):
+    def supported(platform: Platform) -> tuple[bool, str]:
+        if platform.kind != "cuda":
+            return False, f"{name} runs on NVIDIA GPUs"
+        if name not in platform.libraries:
+            return False, f"{name} is not importable (pip install {pip})"
+        if int(platform.arch.removeprefix("sm_") or 0) < 80:
+            return False, f"{platform.arch}: {name} needs sm_80 or newer"
+        return True, ""
+    return supported
+
 
 CAPTURE_GRAPH.register("torch_graphs", graphs.supported)(graphs.capture)
 FP8_LINEAR.register("scaled_mm", scaled_mm.supported, scaled_mm.supports_args)(scaled_mm.fp8_linear)
+ATTENTION.register("flashinfer", _library("flashinfer", "flashinfer-python"), FlashInferAttention.unsupported_reason,
+                   graph_safe=False)(FlashInferAttention)
+ATTENTION.register("flash_attn", _library("flash_attn", "flash-attn"), FlashAttnAttention.unsupported_reason,
+                   graph_safe=False)(FlashAttnAttention)
 
-TRITON_OPS = ("attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul",
-              "moe_route", "fused_moe")
+TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route", "fused_moe")
 
 BACKEND = BackendSpec(
-    "cuda", priorities={**{op: ["triton"] for op in TRITON_OPS}, "fp8_linear": ["scaled_mm", "triton"],
+    "cuda", priorities={**{op: ["triton"] for op in TRITON_OPS}, "attention": ["triton", "flashinfer", "flash_attn"],
+                        "fp8_linear": ["scaled_mm", "triton"],
                         "capture_graph": ["torch_graphs"]},
     note="Triton kernels (warp32 tuning), cuBLAS linear, fp8 e4m3fn, CUDA graphs per decode bucket")
