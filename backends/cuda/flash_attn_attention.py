@@ -14,7 +14,7 @@ import importlib
 
 import torch
 
-from resin.backends.cuda.flashinfer_attention import write_kv_fast
+from resin.backends.cuda.flashinfer_attention import kv_writer
 from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata
 
 
@@ -35,6 +35,7 @@ class FlashAttnAttention(AttentionBackend):
     def __init__(self, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__(layers, block_size, dtype, device)
         self._attend = importlib.import_module("flash_attn").flash_attn_varlen_func
+        self._write_kv = kv_writer()
 
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -44,7 +45,7 @@ class FlashAttnAttention(AttentionBackend):
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer, meta = self.layers[layer_idx], self.meta
-        write_kv_fast(kv_cache, k, v, meta.slot_mapping)
+        self._write_kv(kv_cache, k, v, meta.slot_mapping)
         t = q.shape[0]
         out = self._attend(q.reshape(t, layer.num_heads, layer.head_size), kv_cache[0], kv_cache[1],
                            meta.query_start_loc, self.cu_seqlens_k, meta.max_query_len, meta.max_seq_len,

@@ -13,6 +13,7 @@ attention provider is selected against native.
 from __future__ import annotations
 
 import importlib
+from typing import Callable
 
 import torch
 
@@ -39,6 +40,7 @@ class FlashInferAttention(AttentionBackend):
         self._shapes = sorted({self._shape(layer) for layer in layers}, key=str)
         self._wrappers = {shape: flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
                           for shape in self._shapes}
+        self._write_kv = kv_writer()
 
     @staticmethod
     def _shape(layer: AttentionLayer) -> tuple:
@@ -64,7 +66,7 @@ class FlashInferAttention(AttentionBackend):
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layers[layer_idx]
-        write_kv_fast(kv_cache, k, v, self.meta.slot_mapping)
+        self._write_kv(kv_cache, k, v, self.meta.slot_mapping)
         t = q.shape[0]
         wrapper = self._wrappers[self._shape(layer)]
         extra = {"sinks": sinks} if sinks is not None else {}
@@ -72,11 +74,10 @@ class FlashInferAttention(AttentionBackend):
         return out.reshape(t, layer.num_heads * layer.head_size)
 
 
-def write_kv_fast(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """The shared Triton KV write where triton is installed, else the native one."""
+def kv_writer() -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]:
+    """The shared Triton KV write where triton is installed, else the native one (chosen once, not per call)."""
     try:
         from resin.backends.triton.kv_cache import write_kv as triton_write_kv
     except ImportError:
-        write_kv(kv_cache, k, v, slots)
-        return
-    triton_write_kv(kv_cache, k, v, slots)
+        return write_kv
+    return triton_write_kv

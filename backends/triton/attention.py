@@ -141,6 +141,8 @@ class TritonAttention(AttentionBackend):
         super().__init__(layers, block_size, dtype, device)
         self.tuning = tuning or current()
         self._graph_state: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.max_group = max(layer.num_heads // layer.num_kv_heads for layer in layers)
+        self.max_kv_heads = max(layer.num_kv_heads for layer in layers)
 
     @classmethod
     def unsupported_reason(cls, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
@@ -162,8 +164,7 @@ class TritonAttention(AttentionBackend):
         return max(1, rows // g_pad), g_pad
 
     def _splits(self, num_seqs: int, max_blocks: int) -> int:
-        kv_heads = max(layer.num_kv_heads for layer in self.layers)
-        want = self.tuning.decode_target_programs // max(1, num_seqs * kv_heads)
+        want = self.tuning.decode_target_programs // max(1, num_seqs * self.max_kv_heads)
         n = max(1, min(_MAX_SPLITS, want, max_blocks))
         return 1 << (n.bit_length() - 1)  # a power of two: the merge kernel reduces over tl.arange(0, splits)
 
@@ -172,7 +173,7 @@ class TritonAttention(AttentionBackend):
         qsl = meta.query_start_loc_host if meta.query_start_loc_host is not None else meta.query_start_loc.cpu()
         q_lens = (qsl[1:] - qsl[:-1]).long()
         decode_only = meta.max_query_len == 1
-        self.block_q, self.g_pad = self._tile(max(l.num_heads // l.num_kv_heads for l in self.layers), decode_only)
+        self.block_q, self.g_pad = self._tile(self.max_group, decode_only)
         progs = -(-q_lens // self.block_q)
         starts = torch.cumsum(progs, 0) - progs
         prog_seq = torch.repeat_interleave(torch.arange(len(q_lens)), progs)
@@ -190,7 +191,7 @@ class TritonAttention(AttentionBackend):
         """Decode-only bucket of `batch_size` (padded) sequences: the launch depends on nothing else."""
         assert self._graph_state is not None, "capture_state() first"
         self.meta = meta
-        self.block_q, self.g_pad = self._tile(max(l.num_heads // l.num_kv_heads for l in self.layers), True)
+        self.block_q, self.g_pad = self._tile(self.max_group, True)
         self.prog_seq, self.prog_q0 = (t[:batch_size] for t in self._graph_state)
         self.num_splits = self._splits(batch_size, _MAX_SPLITS)
 
