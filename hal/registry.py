@@ -156,6 +156,11 @@ def activate(table: dict[str, OpChoice]) -> None:
     activate_chains({name: tuple(choice.chain) for name, choice in table.items()})
 
 
+def active_chains() -> dict[str, tuple[Provider, ...]]:
+    """A copy of the active table (op -> provider chain), e.g. to wrap providers for profiling and restore."""
+    return dict(_ACTIVE)
+
+
 def activate_chains(chains: dict[str, tuple[Provider, ...]]) -> None:
     _ACTIVE.clear()
     for name, chain in chains.items():
