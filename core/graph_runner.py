@@ -29,7 +29,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, forward: Forward, ctx: ForwardContext, max_batch: int, max_blocks: int,
                  scratch_block: int, block_size: int, device: torch.device):
-        self.forward, self.ctx, self.device = forward, ctx, device
+        self.forward, self.ctx = forward, ctx
         self.buckets = bucket_sizes(max_batch)
         self.scratch_block, self.block_size = scratch_block, block_size
         n = self.buckets[-1]
@@ -38,6 +38,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), scratch_block * block_size, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.query_start_loc_host = torch.arange(n + 1, dtype=torch.int32)  # decode-only: offsets are 0..n
         self.block_tables = torch.full((n, max_blocks), scratch_block, dtype=torch.int32, device=device)
         self.hidden: torch.Tensor | None = None  # (n, hidden_size), sized by a warm-up forward in capture()
         self.graphs: dict[int, StepGraph] = {}
@@ -51,7 +52,7 @@ class DecodeGraphs:
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs], slot_mapping=self.slot_mapping[:bs], max_query_len=1,
-            max_seq_len=max_seq_len, query_start_loc_host=torch.arange(bs + 1, dtype=torch.int32))
+            max_seq_len=max_seq_len, query_start_loc_host=self.query_start_loc_host[:bs + 1])
 
     @torch.inference_mode()
     def capture(self) -> None:

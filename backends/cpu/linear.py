@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from resin.hal.platform import Platform
+from resin.hal.registry import derived
 
-_ATTR = "_resin_onednn_packed"
 _LINEAR_POINTWISE = (torch.ops.mkldnn._linear_pointwise.default
                      if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
 
@@ -36,10 +36,7 @@ def supports_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # Kept lean: at batch-1 decode this runs ~120 times a step on GEMVs of tens of microseconds, so each
     # microsecond of Python here is ~0.1 ms a step (the overload is resolved once, at import).
-    packed = weight.__dict__.get(_ATTR)
-    if packed is None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        setattr(weight, _ATTR, packed)
+    packed = derived(weight, "onednn_packed", lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
     if x.dim() == 2:
         return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
     out = _LINEAR_POINTWISE(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
