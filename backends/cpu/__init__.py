@@ -1,19 +1,30 @@
 """The reference backend: every op has the HAL's native, vectorised PyTorch implementation as its oracle.
 
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
-against it (tests/test_cpu_providers.py): paged attention split into decode and prefill paths, and bf16 linear
-through oneDNN with weights reordered once.
+against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused
+norms, rotary, silu-and-mul, paged decode attention; built once per machine), then plain-torch providers that
+serve when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor
+ops), and bf16 linear through oneDNN with weights reordered once.
 """
-from resin.backends.cpu import linear, rotary
-from resin.backends.cpu.attention import CpuAttention
+from resin.backends.cpu import kernels, linear, rotary
+from resin.backends.cpu.attention import CppAttention, CpuAttention
 from resin.hal.attention import ATTENTION
-from resin.hal.ops import LINEAR, ROTARY
+from resin.hal.ops import FUSED_ADD_RMS_NORM, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL
 from resin.hal.selection import BackendSpec
 
+ATTENTION.register("cpp", supported=kernels.supported, supports_args=CppAttention.unsupported_reason)(CppAttention)
 ATTENTION.register("cpu", supports_args=CpuAttention.unsupported_reason)(CpuAttention)
 LINEAR.register("onednn", supported=linear.supported, supports_args=linear.supports_args)(linear.onednn_linear)
+RMS_NORM.register("cpp", supported=kernels.supported, supports_args=kernels.norm_args)(kernels.rms_norm)
+FUSED_ADD_RMS_NORM.register("cpp", supported=kernels.supported,
+                            supports_args=kernels.add_norm_args)(kernels.fused_add_rms_norm)
+ROTARY.register("cpp", supported=kernels.supported, supports_args=kernels.rotary_args)(kernels.rotary)
 ROTARY.register("cpu", supports_args=rotary.supports_args)(rotary.rotary)
+SILU_AND_MUL.register("cpp", supported=kernels.supported, supports_args=kernels.act_args)(kernels.silu_and_mul)
 
-BACKEND = BackendSpec("cpu", priorities={"attention": ["cpu"], "linear": ["onednn"], "rotary": ["cpu"]},
-                      note="PyTorch on the CPU: attention split into matmul decode and SDPA prefill; bf16 linear "
-                           "through oneDNN with prepacked weights")
+BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "linear": ["onednn"],
+                                         "rms_norm": ["cpp"], "fused_add_rms_norm": ["cpp"],
+                                         "rotary": ["cpp", "cpu"], "silu_and_mul": ["cpp"]},
+                      note="PyTorch on the CPU with Resin's C++ kernels for the per-layer ops (built once per "
+                           "machine; plain-torch providers where no compiler is found); bf16 linear through oneDNN "
+                           "with prepacked weights")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from resin.backends.cpu.kernels import extension
 from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata
 
 
@@ -69,15 +70,19 @@ class CpuAttention(AttentionBackend):
         self.decode_tokens = None
         if decode:
             idx = torch.tensor(decode, device=meta.seq_lens.device)
-            lens = meta.seq_lens.long()[idx]
-            nblk = -(-int(lens.max()) // bs)
-            self.decode_blocks = meta.block_tables[idx, :nblk].long()  # (B, nblk)
             self.decode_tokens = meta.query_start_loc.long()[idx]
             self.decode_all = len(decode) == len(seq_lens)  # then tokens are exactly 0..B-1
-            key_pos = torch.arange(nblk * bs, device=idx.device)
-            self.decode_lens = lens
-            self.decode_valid = key_pos.unsqueeze(0) < lens.unsqueeze(1)  # (B, L)
-            self.decode_key_pos = key_pos
+            self._plan_decode(meta, idx)
+
+    def _plan_decode(self, meta: AttentionMetadata, idx: torch.Tensor) -> None:
+        bs = self.block_size
+        lens = meta.seq_lens.long()[idx]
+        nblk = -(-int(lens.max()) // bs)
+        self.decode_blocks = meta.block_tables[idx, :nblk].long()  # (B, nblk)
+        key_pos = torch.arange(nblk * bs, device=idx.device)
+        self.decode_lens = lens
+        self.decode_valid = key_pos.unsqueeze(0) < lens.unsqueeze(1)  # (B, L)
+        self.decode_key_pos = key_pos
         self._biases: dict[tuple, torch.Tensor] = {}
 
     def _decode_bias(self, window: int | None, kv_heads: int, group: int, dtype: torch.dtype) -> torch.Tensor:
@@ -96,11 +101,8 @@ class CpuAttention(AttentionBackend):
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layers[layer_idx]
-        h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_size
-        _, _, nb, bs, _ = kv_cache.shape
-        for i, new in enumerate((k, v)):  # store the new keys/values at their slots, head-major
-            kv_cache[i].view(hk, nb * bs, d).index_copy_(1, self.slot_mapping,
-                                                         new.view(-1, hk, d).transpose(0, 1).to(kv_cache.dtype))
+        h, d = layer.num_heads, layer.head_size
+        self._write_kv(k, v, kv_cache)
         q = q.view(-1, h, d).to(kv_cache.dtype)
         if self.decode_tokens is not None and self.decode_all:
             return self._decode(q, kv_cache, layer).reshape(-1, h * d)
@@ -110,6 +112,13 @@ class CpuAttention(AttentionBackend):
         for p in self.prefills:
             out[p.start:p.start + p.q_len] = self._prefill(q[p.start:p.start + p.q_len], kv_cache, layer, p)
         return out.reshape(-1, h * d)
+
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        """Store the new keys/values at their slots, head-major."""
+        _, hk, nb, bs, d = kv_cache.shape
+        for i, new in enumerate((k, v)):
+            kv_cache[i].view(hk, nb * bs, d).index_copy_(1, self.slot_mapping,
+                                                         new.view(-1, hk, d).transpose(0, 1).to(kv_cache.dtype))
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         """q (B, H, D) -> (B, H, D), one query per sequence."""
@@ -151,3 +160,28 @@ class CpuAttention(AttentionBackend):
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=layer.scale,
                                                  enable_gqa=hk != h)
         return out[0].transpose(0, 1)
+
+
+class CppAttention(CpuAttention):
+    """CpuAttention with decode rows and the KV write on Resin's C++ kernels (backends/cpu/kernels.py): the
+    kernel reads K and V in place through the block table, so no gather, no mask and no per-step bias; prefill
+    chunks stay on SDPA, which is compute-bound and already fused."""
+
+    def _plan_decode(self, meta: AttentionMetadata, idx: torch.Tensor) -> None:
+        all_rows = idx.shape[0] == meta.seq_lens.shape[0]
+        self.decode_tables = meta.block_tables if all_rows else meta.block_tables[idx]
+        self.decode_seq_lens = meta.seq_lens if all_rows else meta.seq_lens[idx]
+        if self.decode_tables.dtype != torch.int32 or self.decode_tables.stride(-1) != 1:
+            self.decode_tables = self.decode_tables.to(torch.int32).contiguous()
+        self.decode_seq_lens = self.decode_seq_lens.to(torch.int32).contiguous()
+
+    def _write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> None:
+        if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype or k.stride(-1) != 1 or v.stride(-1) != 1:
+            return super()._write_kv(k, v, kv_cache)
+        extension().write_kv(kv_cache, k, v, self.slot_mapping)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
+        b, h, d = q.shape
+        out = extension().paged_decode_attention(q.reshape(b, h * d), kv_cache, self.decode_tables, self.decode_seq_lens,
+                                            h, layer.scale, layer.sliding_window or 0)
+        return out.view(b, h, d)

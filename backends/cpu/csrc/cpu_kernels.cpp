@@ -1,0 +1,520 @@
+// Resin's fused CPU kernels: the small per-layer ops of a decode step, each one pass over memory.
+//
+// Why they exist: at batch-1 decode each of these ops is microseconds of work behind tens of microseconds of
+// dispatch when written as several torch ops (measured in bench/step_profile.py --per-op). Each kernel here
+// computes what the HAL's native op computes, rounding where native rounds (rotary is bit-equal to native; norms
+// and activations differ from native only by the order of an fp32 sum or the last bit of an fp32 exp), and is
+// tested against it in tests/test_cpu_kernels.py. Compiled once per machine by backends/cpu/kernels.py with
+// -march=native, so the loops below are written for the compiler to vectorise: fixed-size partial sums instead
+// of one accumulator, bf16 converted by bit shifts, exp as a polynomial.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <vector>
+
+namespace {
+
+// Element I/O on raw bits. c10's BFloat16/Half conversions branch per element (NaN checks, out-of-line
+// helpers), which keeps GCC from vectorising the loops; these are branch-free, so every loop below vectorises.
+// Rounding is to nearest even, as torch's casts round.
+template <typename T>
+struct Io;
+template <>
+struct Io<float> {
+  using raw = float;
+  static float load(float x) { return x; }
+  static float store(float x) { return x; }
+};
+template <>
+struct Io<c10::BFloat16> {
+  using raw = uint16_t;
+  static float load(uint16_t x) {
+    const uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+  static uint16_t store(float f) {
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof(bits));
+    const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+  }
+};
+template <>
+struct Io<c10::Half> {
+  using raw = _Float16;  // same bits as c10::Half; F16C converts it in hardware
+  static float load(_Float16 x) { return static_cast<float>(x); }
+  static _Float16 store(float f) { return static_cast<_Float16>(f); }
+};
+
+template <typename T>
+using raw_t = typename Io<T>::raw;
+
+// x rounded to T and back: where native rounds an intermediate to the activation dtype.
+template <typename T>
+inline float round_to(float x) {
+  return Io<T>::load(Io<T>::store(x));
+}
+
+template <typename T>
+raw_t<T>* raw_ptr(torch::Tensor& t) {
+  return reinterpret_cast<raw_t<T>*>(t.data_ptr<T>());
+}
+
+template <typename T>
+const raw_t<T>* raw_ptr(const torch::Tensor& t) {
+  return reinterpret_cast<const raw_t<T>*>(t.const_data_ptr<T>());
+}
+
+// exp(x) for x <= 0 .. 88: 2^n * p(r) with r = x - n ln2 (Cephes' single-precision coefficients, ~1 ulp).
+// Plain arithmetic so that loops over it vectorise; libm's expf does not without -ffast-math.
+inline float poly_exp(float x) {
+  const float clamped = std::min(x, 88.0f);
+  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// The dtypes every kernel takes; `body` gets a value of the scalar type, as AT_DISPATCH's lambdas get scalar_t.
+template <typename F>
+void dispatch_float(at::ScalarType type, const char* op, F&& body) {
+  switch (type) {
+    case at::kFloat:
+      return body(float{});
+    case at::kBFloat16:
+      return body(c10::BFloat16{});
+    case at::kHalf:
+      return body(c10::Half{});
+    default:
+      TORCH_CHECK(false, op, ": float32, bfloat16 or float16 only, got ", type);
+  }
+}
+
+constexpr int kLanes = 16;  // partial sums per reduction: one AVX-512 register of fp32
+
+// Sum of 16 partial sums as a tree (log2 steps of vector adds), not a serial chain of 16 dependent adds.
+inline float lane_sum(float* part) {
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) part[j] += part[j + width];
+  return part[0];
+}
+
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  float part[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) part[j] += a[i + j] * b[i + j];
+  for (; i < n; ++i) part[0] += a[i] * b[i];
+  return lane_sum(part);
+}
+
+
+// ---------------------------------------------------------------------------------------------------------
+// RMSNorm, optionally fused with the residual add: residual' = x + residual (rounded to T, as native's add),
+// y = T(w * T(residual' * rsqrt(mean(residual'^2) + eps))): native rounds to T before the weight multiply.
+
+template <typename T>
+void rms_norm_kernel(raw_t<T>* out, raw_t<T>* res_out, const raw_t<T>* x, int64_t x_stride, const raw_t<T>* res,
+                     int64_t res_stride, const raw_t<T>* w, int64_t rows, int64_t n, float eps) {
+  using io = Io<T>;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    float* __restrict__ v = buf.data();
+    for (int64_t row = begin; row < end; ++row) {
+      const raw_t<T>* __restrict__ xr = x + row * x_stride;
+      if (res != nullptr) {
+        const raw_t<T>* __restrict__ rr = res + row * res_stride;
+        raw_t<T>* __restrict__ ro = res_out + row * n;
+        for (int64_t i = 0; i < n; ++i) {
+          ro[i] = io::store(io::load(xr[i]) + io::load(rr[i]));
+          v[i] = io::load(ro[i]);
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) v[i] = io::load(xr[i]);
+      }
+      const float inv = 1.0f / std::sqrt(dot(v, v, n) / static_cast<float>(n) + eps);
+      raw_t<T>* __restrict__ o = out + row * n;
+      for (int64_t i = 0; i < n; ++i) o[i] = io::store(io::load(w[i]) * round_to<T>(v[i] * inv));
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be (rows, hidden) with contiguous rows");
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  dispatch_float(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rms_norm_kernel<scalar_t>(raw_ptr<scalar_t>(out), nullptr, raw_ptr<scalar_t>(x), x.stride(0), nullptr, 0,
+                              raw_ptr<scalar_t>(weight), x.size(0), x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+std::tuple<torch::Tensor, torch::Tensor> fused_add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                                              const torch::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto res_out = torch::empty({x.size(0), x.size(1)}, x.options());
+  dispatch_float(x.scalar_type(), "fused_add_rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rms_norm_kernel<scalar_t>(raw_ptr<scalar_t>(out), raw_ptr<scalar_t>(res_out), raw_ptr<scalar_t>(x), x.stride(0),
+                              raw_ptr<scalar_t>(residual), residual.stride(0), raw_ptr<scalar_t>(weight), x.size(0),
+                              x.size(1), static_cast<float>(eps));
+  });
+  return {out, res_out};
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Rotary embedding, in place on q and k. Native casts cos/sin to T and rounds each product and the sum to T;
+// so does this, and fp-contract is off here so that fp32 products are not fused into an FMA (native's aren't).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+template <typename T>
+void rotate_rows(raw_t<T>* x, int64_t row_stride, int64_t heads, int64_t head_size, const int64_t* positions,
+                 const float* cache, int64_t rot_dim, bool is_neox, int64_t tokens) {
+  const int64_t half = rot_dim / 2;
+  at::parallel_for(0, tokens, std::max<int64_t>(1, 32768 / (heads * head_size)), [&](int64_t begin, int64_t end) {
+    std::vector<float> table(rot_dim);
+    float* __restrict__ cos_t = table.data();
+    float* __restrict__ sin_t = cos_t + half;
+    std::vector<float> pair(rot_dim);
+    float* __restrict__ x1 = pair.data();
+    float* __restrict__ x2 = x1 + half;
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = cache + positions[t] * rot_dim;
+      for (int64_t i = 0; i < rot_dim; ++i) table[i] = round_to<T>(row[i]);
+      for (int64_t h = 0; h < heads; ++h) {
+        raw_t<T>* __restrict__ v = x + t * row_stride + h * head_size;
+        // neox pairs element i with i + half; GPT-J pairs 2i with 2i + 1. Split into two planes, rotate, merge.
+        if (is_neox) {
+          for (int64_t i = 0; i < half; ++i) {
+            x1[i] = Io<T>::load(v[i]);
+            x2[i] = Io<T>::load(v[half + i]);
+          }
+        } else {
+          for (int64_t i = 0; i < half; ++i) {
+            x1[i] = Io<T>::load(v[2 * i]);
+            x2[i] = Io<T>::load(v[2 * i + 1]);
+          }
+        }
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i], b = x2[i], c = cos_t[i], s = sin_t[i];
+          x1[i] = round_to<T>(round_to<T>(a * c) - round_to<T>(b * s));
+          x2[i] = round_to<T>(round_to<T>(b * c) + round_to<T>(a * s));
+        }
+        if (is_neox) {
+          for (int64_t i = 0; i < half; ++i) {
+            v[i] = Io<T>::store(x1[i]);
+            v[half + i] = Io<T>::store(x2[i]);
+          }
+        } else {
+          for (int64_t i = 0; i < half; ++i) {
+            v[2 * i] = Io<T>::store(x1[i]);
+            v[2 * i + 1] = Io<T>::store(x2[i]);
+          }
+        }
+      }
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+void rotary(const torch::Tensor& positions, torch::Tensor q, torch::Tensor k, const torch::Tensor& cos_sin_cache,
+            int64_t head_size, bool is_neox) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "positions must be contiguous int64");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be contiguous fp32");
+  const int64_t rot_dim = cos_sin_cache.size(1), tokens = positions.size(0);
+  dispatch_float(q.scalar_type(), "rotary", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    for (torch::Tensor* x : {&q, &k})
+      rotate_rows<scalar_t>(raw_ptr<scalar_t>(*x), x->stride(0), x->size(1) / head_size, head_size,
+                            positions.const_data_ptr<int64_t>(), cos_sin_cache.const_data_ptr<float>(), rot_dim,
+                            is_neox, tokens);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// silu(gate) * up: native rounds silu's fp32 result to T, then the product to T.
+
+template <typename T>
+void silu_and_mul_kernel(raw_t<T>* out, const raw_t<T>* x, int64_t x_stride, int64_t rows, int64_t d) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 32768 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const raw_t<T>* __restrict__ gate = x + r * x_stride;
+      const raw_t<T>* __restrict__ up = gate + d;
+      raw_t<T>* __restrict__ o = out + r * d;
+      for (int64_t i = 0; i < d; ++i) {
+        const float g = Io<T>::load(gate[i]);
+        o[i] = Io<T>::store(round_to<T>(g / (1.0f + poly_exp(-g))) * Io<T>::load(up[i]));
+      }
+    }
+  });
+}
+
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  check_rows(x, "x");
+  const int64_t d = x.size(1) / 2;
+  auto out = torch::empty({x.size(0), d}, x.options());
+  dispatch_float(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    silu_and_mul_kernel<scalar_t>(raw_ptr<scalar_t>(out), raw_ptr<scalar_t>(x), x.stride(0), x.size(0), d);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// KV cache write into the head-major cache (2, Hk, blocks, block_size, D): token t's head h goes to slot
+// slot_mapping[t] of head h. A slot of -1 (a padding token) is skipped.
+
+void write_kv(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& slots) {
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous (2, Hk, blocks, bs, D)");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == kv_cache.scalar_type(),
+              "k and v must have the cache's dtype");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slot_mapping must be contiguous int64");
+  const int64_t hk = kv_cache.size(1), d = kv_cache.size(4), slots_per_head = kv_cache.size(2) * kv_cache.size(3);
+  const int64_t bytes = d * kv_cache.element_size();
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* kp = static_cast<const char*>(k.const_data_ptr());
+  const char* vp = static_cast<const char*>(v.const_data_ptr());
+  const int64_t k_row = k.stride(0) * k.element_size(), v_row = v.stride(0) * v.element_size();
+  const int64_t plane = hk * slots_per_head * bytes;  // K and V halves of the cache
+  const int64_t* s = slots.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.size(0); ++t) {
+    if (s[t] < 0) continue;
+    for (int64_t h = 0; h < hk; ++h) {
+      char* dst = cache + (h * slots_per_head + s[t]) * bytes;
+      std::memcpy(dst, kp + t * k_row + h * bytes, bytes);
+      std::memcpy(dst + plane, vp + t * v_row + h * bytes, bytes);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Paged decode attention: one query token per sequence, keys and values read in place through the block
+// table (no gather). A work item is (sequence, KV head): the G query heads sharing that KV head are scored
+// together, so each K and V row is loaded and converted once. fp32 scores, an exact two-pass softmax and fp32
+// accumulation, rounded to T once at the end, which is what native computes. D is a template constant for the
+// common head sizes so that the row loops unroll into whole vector registers.
+
+// Calls fn(first position, rows, count) for each block's slice of the cached rows first..last-1 of one KV head,
+// walking the block table a block at a time (no division per row).
+template <typename R, typename F>
+inline void for_each_block(const R* head, const int32_t* table, int64_t block_size, int64_t first, int64_t last,
+                           int64_t d, F&& fn) {
+  for (int64_t blk = first / block_size; blk * block_size < last; ++blk) {
+    const int64_t start = blk * block_size, lo = std::max(first, start), hi = std::min(last, start + block_size);
+    fn(lo, head + (static_cast<int64_t>(table[blk]) * block_size + lo - start) * d, hi - lo);
+  }
+}
+
+// The fp32 softmax of each query head's scores, in place (a row of len per head).
+inline void softmax_rows(float* scores, int64_t group, int64_t len) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* __restrict__ s = scores + g * len;
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < len; ++i) mx = std::max(mx, s[i]);
+    float part[kLanes] = {0};
+    int64_t i = 0;
+    for (; i + kLanes <= len; i += kLanes)
+      for (int j = 0; j < kLanes; ++j) {
+        s[i + j] = poly_exp(s[i + j] - mx);
+        part[j] += s[i + j];
+      }
+    for (; i < len; ++i) {
+      s[i] = poly_exp(s[i] - mx);
+      part[0] += s[i];
+    }
+    const float inv = 1.0f / lane_sum(part);
+    for (int64_t i = 0; i < len; ++i) s[i] *= inv;
+  }
+}
+
+template <typename T, int D>
+void decode_item(raw_t<T>* out, const raw_t<T>* q, float scale, const raw_t<T>* k_head, const raw_t<T>* v_head,
+                 const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t group,
+                 int64_t d_runtime, std::vector<float>& scratch) {
+  using io = Io<T>;
+  const int64_t d = D > 0 ? D : d_runtime;
+  const int64_t len = last - first;
+  scratch.resize(group * len + 2 * group * d + d);
+  float* __restrict__ scores = scratch.data();
+  float* __restrict__ qf = scores + group * len;
+  float* __restrict__ acc = qf + group * d;
+  float* __restrict__ row = acc + group * d;
+  for (int64_t i = 0; i < group * d; ++i) {
+    qf[i] = io::load(q[i]) * scale;
+    acc[i] = 0.0f;
+  }
+  for_each_block(k_head, table, block_size, first, last, d, [&](int64_t pos, const raw_t<T>* rows, int64_t count) {
+    for (int64_t t = 0; t < count; ++t) {
+      for (int64_t i = 0; i < d; ++i) row[i] = io::load(rows[t * d + i]);
+      for (int64_t g = 0; g < group; ++g) scores[g * len + pos + t - first] = dot(qf + g * d, row, d);
+    }
+  });
+  softmax_rows(scores, group, len);
+  for_each_block(v_head, table, block_size, first, last, d, [&](int64_t pos, const raw_t<T>* rows, int64_t count) {
+    for (int64_t t = 0; t < count; ++t) {
+      for (int64_t i = 0; i < d; ++i) row[i] = io::load(rows[t * d + i]);
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * len + pos + t - first];
+        float* __restrict__ a = acc + g * d;
+        for (int64_t i = 0; i < d; ++i) a[i] += p * row[i];
+      }
+    }
+  });
+  for (int64_t i = 0; i < group * d; ++i) out[i] = io::store(acc[i]);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 on AVX512-BF16 (compiled where -march=native has it): q.k by vdpbf16ps straight from the cached bf16 rows
+// (products exact, fp32 sums), p.v by fp32 FMAs over a block of V rows converted once, with one head's
+// accumulators in registers. The compiler's vectorisation of decode_item spilled its reductions and
+// accumulators to the stack; this is 4-5x faster at batch 32 (bench/attention_paths.py).
+template <int D>
+void decode_item_bf16(uint16_t* out, const uint16_t* q, float scale, const uint16_t* k_head, const uint16_t* v_head,
+                      const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t group,
+                      std::vector<float>& scratch) {
+  constexpr int kBf16Regs = D / 32, kF32Regs = D / 16;
+  const int64_t len = last - first;
+  scratch.resize(group * len + group * D + block_size * D);
+  float* scores = scratch.data();
+  float* acc = scores + group * len;
+  float* vblock = acc + group * D;
+  for_each_block(k_head, table, block_size, first, last, D, [&](int64_t pos, const uint16_t* rows, int64_t count) {
+    for (int64_t g = 0; g < group; ++g) {
+      __m512bh qv[kBf16Regs];
+      for (int j = 0; j < kBf16Regs; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * j);
+      float* s = scores + g * len + pos - first;
+      for (int64_t t = 0; t < count; ++t) {
+        __m512 a = _mm512_setzero_ps();
+        for (int j = 0; j < kBf16Regs; ++j)
+          a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(rows + t * D + 32 * j));
+        s[t] = _mm512_reduce_add_ps(a) * scale;
+      }
+    }
+  });
+  softmax_rows(scores, group, len);
+  std::fill(acc, acc + group * D, 0.0f);
+  for_each_block(v_head, table, block_size, first, last, D, [&](int64_t pos, const uint16_t* rows, int64_t count) {
+    for (int64_t t = 0; t < count; ++t)
+      for (int j = 0; j < kF32Regs; ++j) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(rows + t * D + 16 * j)));
+        _mm512_storeu_ps(vblock + t * D + 16 * j, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+      }
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 a[kF32Regs];
+      for (int j = 0; j < kF32Regs; ++j) a[j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+      const float* p = scores + g * len + pos - first;
+      for (int64_t t = 0; t < count; ++t) {
+        const __m512 pv = _mm512_set1_ps(p[t]);
+        for (int j = 0; j < kF32Regs; ++j) a[j] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vblock + t * D + 16 * j), a[j]);
+      }
+      for (int j = 0; j < kF32Regs; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[j]);
+    }
+  });
+  for (int64_t i = 0; i < group * D; ++i) out[i] = Io<c10::BFloat16>::store(acc[i]);
+}
+#endif
+
+template <typename T>
+void decode_kernel(raw_t<T>* out, const raw_t<T>* q, int64_t q_stride, const raw_t<T>* cache, const int32_t* tables,
+                   int64_t table_stride, const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
+                   int64_t blocks, int64_t block_size, int64_t d, float scale, int64_t window) {
+  const int64_t group = heads / kv_heads;
+  const int64_t head_stride = blocks * block_size * d, plane = kv_heads * head_stride;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / kv_heads, h = item % kv_heads;
+      const int64_t len = seq_lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const raw_t<T>* k_head = cache + h * head_stride;
+      const raw_t<T>* qh = q + b * q_stride + h * group * d;
+      raw_t<T>* oh = out + (b * heads + h * group) * d;
+      const int32_t* table = tables + b * table_stride;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (d == 64 || d == 128) {
+          (d == 64 ? decode_item_bf16<64> : decode_item_bf16<128>)(oh, qh, scale, k_head, k_head + plane, table,
+                                                                   block_size, first, len, group, scratch);
+          continue;
+        }
+      }
+#endif
+      if (d == 64)
+        decode_item<T, 64>(oh, qh, scale, k_head, k_head + plane, table, block_size, first, len, group, d, scratch);
+      else if (d == 128)
+        decode_item<T, 128>(oh, qh, scale, k_head, k_head + plane, table, block_size, first, len, group, d, scratch);
+      else
+        decode_item<T, 0>(oh, qh, scale, k_head, k_head + plane, table, block_size, first, len, group, d, scratch);
+    }
+  });
+}
+
+// q (B, H*D) with contiguous rows; kv_cache (2, Hk, blocks, block_size, D); block_tables (B, >= blocks needed)
+// int32; seq_lens (B,) int32. window <= 0: none. Returns (B, H*D).
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                     int64_t num_heads, double scale, int64_t window) {
+  check_rows(q, "q");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5, "kv_cache must be contiguous (2, Hk, blocks, bs, D)");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type(), "q must have the cache's dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1, "block_tables must be int32 rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
+  const int64_t batch = q.size(0), kv_heads = kv_cache.size(1), d = kv_cache.size(4);
+  TORCH_CHECK(q.size(1) == num_heads * d && num_heads % kv_heads == 0, "q must be (B, num_heads * head_size)");
+  auto out = torch::empty({batch, num_heads * d}, q.options());
+  dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    decode_kernel<scalar_t>(raw_ptr<scalar_t>(out), raw_ptr<scalar_t>(q), q.stride(0), raw_ptr<scalar_t>(kv_cache),
+                            block_tables.const_data_ptr<int32_t>(), block_tables.stride(0),
+                            seq_lens.const_data_ptr<int32_t>(), batch, num_heads, kv_heads, kv_cache.size(2),
+                            kv_cache.size(3), d, static_cast<float>(scale), window);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add then RMSNorm; returns (normed, residual)");
+  m.def("rotary", &rotary, "rotary embedding of q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
+  m.def("write_kv", &write_kv, "store new keys and values at their slots of the head-major cache");
+  m.def("paged_decode_attention", &paged_decode_attention, "one-query-per-sequence attention over a paged cache");
+}

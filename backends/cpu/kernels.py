@@ -1,0 +1,168 @@
+"""Resin's C++ CPU kernels (csrc/cpu_kernels.cpp): built once per machine, then providers of the per-layer ops.
+
+The source is compiled with the machine's C++ compiler through torch.utils.cpp_extension (ninja) on first use
+and cached under the Resin cache folder, keyed by the source, the torch version and the CPU's instruction set
+(it is built with -march=native). Without a compiler, or if the build fails, the `cpp` providers report why and
+the ops fall through to the plain-torch providers: the engine never depends on the build.
+
+Each provider computes what the native op computes (tests/test_cpu_kernels.py compares them on fresh random
+inputs): rotary bit for bit, norms and activations to within fp32 summation order / the last bit of exp before
+rounding. Rotary rotates q and k in place, which the HAL op allows.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from resin.hal.platform import Platform
+from resin.hal.registry import derived
+
+log = logging.getLogger("resin")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# -fno-trapping-math lets GCC vectorise floor and float selects (it changes no value, only FP exception flags);
+# OpenMP because at::parallel_for's header is inline OpenMP.
+_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"]
+
+
+def _cpu_signature() -> str:
+    """The instruction-set flags of this CPU: a binary built with -march=native is only valid where they match."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    from resin.builtin import cache_root
+
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_FLAGS).encode(),
+                                     _cpu_signature().encode()])).hexdigest()[:16]
+    return cache_root() / "cpu_kernels" / key
+
+
+def missing_toolchain() -> str | None:
+    """Why the kernels cannot be built here (no compiler, no ninja), or None when they can."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return f"no C++ compiler ({compiler}) on PATH: install g++ to build Resin's CPU kernels"
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.verify_ninja_availability()
+    except RuntimeError:
+        return "ninja is not installed: pip install ninja to build Resin's CPU kernels"
+    return None
+
+
+@cache
+def load() -> tuple[ModuleType | None, str]:
+    """(module, "") once built, else (None, why not). Built at most once per process, cached across processes."""
+    missing = missing_toolchain()
+    if missing:
+        return None, missing
+    from torch.utils import cpp_extension
+
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"resin_cpu_kernels_{folder.name}"
+    if not (folder / f"{name}.so").exists():
+        log.warning("building Resin's C++ CPU kernels into %s (once per machine; about a minute)", folder)
+    try:
+        module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
+                                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as e:  # a broken toolchain must not take the engine down: the torch providers serve
+        errors = [line for line in str(e).splitlines() if "error" in line] or [type(e).__name__]
+        return None, f"building Resin's CPU kernels failed: {errors[0].strip()}"
+    return module, ""
+
+
+def supported(platform: Platform) -> tuple[bool, str]:
+    if platform.kind != "cpu":
+        return False, "Resin's C++ kernels run on the cpu"
+    module, reason = load()
+    return module is not None, reason
+
+
+def extension() -> ModuleType:
+    return load()[0]
+
+
+def _rows_reason(x: torch.Tensor, name: str) -> str | None:
+    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+        return f"{name}: cpu float32/bfloat16/float16 only"
+    if x.dim() < 1 or x.stride(-1) != 1:
+        return f"{name}: last dim must be contiguous"
+    return None
+
+
+def norm_args(x: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
+    if weight.dtype != x.dtype or not weight.is_contiguous() or weight.shape != x.shape[-1:]:
+        return "weight must be contiguous, of x's dtype and hidden size"
+    return _rows_reason(x, "x")
+
+
+# The wrappers stay lean: at batch-1 decode each runs 30-60 times a step around a ~1-2 us kernel.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dim() == 2:
+        return extension().rms_norm(x, weight, eps)
+    return extension().rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def add_norm_args(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> str | None:
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        return "residual must match x in shape and dtype"
+    return norm_args(x, weight, eps) or _rows_reason(residual, "residual")
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() == 2:
+        return extension().fused_add_rms_norm(x, residual, weight, eps)
+    out, res = extension().fused_add_rms_norm(x.reshape(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1]),
+                                              weight, eps)
+    return out.view(x.shape), res.view(x.shape)
+
+
+def rotary_args(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+                head_size: int, is_neox: bool = True) -> str | None:
+    if positions.dtype != torch.int64 or positions.dim() != 1 or not positions.is_contiguous():
+        return "positions must be contiguous int64"
+    if q.dim() != 2 or k.dim() != 2 or q.dtype != k.dtype:
+        return "q and k must be (tokens, heads * head_size) of one dtype"
+    if cos_sin_cache.shape[-1] > head_size or cos_sin_cache.shape[-1] % 2:
+        return "rotary dims must be even and at most head_size"
+    return _rows_reason(q, "q") or _rows_reason(k, "k")
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor,
+           head_size: int, is_neox: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    table = cos_sin_cache if cos_sin_cache.dtype == torch.float32 and cos_sin_cache.is_contiguous() else derived(
+        cos_sin_cache, "fp32", lambda: cos_sin_cache.float().contiguous())
+    extension().rotary(positions, q, k, table, head_size, is_neox)
+    return q, k
+
+
+def act_args(x: torch.Tensor) -> str | None:
+    if x.shape[-1] % 2:
+        return "last dim must be even (gate | up)"
+    return _rows_reason(x, "x")
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2:
+        return extension().silu_and_mul(x)
+    out = extension().silu_and_mul(x.reshape(-1, x.shape[-1]))
+    return out.view(*x.shape[:-1], out.shape[-1])

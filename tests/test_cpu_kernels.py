@@ -1,0 +1,131 @@
+"""Resin's C++ CPU kernels against the native ops they replace, on fresh random inputs each run.
+
+Rotary must be bit-equal to native in every dtype. Norms and silu-and-mul may differ from native only where an
+fp32 sum is taken in another order or exp differs in its last bit, so: fp32 to a few ulp, bf16/fp16 by at most
+one step of the output's rounding. Attention is computed in fp32 like native and rounded once.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from resin import hal
+from resin.backends.cpu import kernels
+from resin.backends.cpu.attention import CppAttention
+from resin.hal.platform import cpu_platform
+
+from attention_batches import paged_batch
+
+pytestmark = pytest.mark.kernels
+
+if kernels.missing_toolchain():  # only a missing toolchain skips; a build error of the source fails
+    pytest.skip(f"requires a C++ compiler and ninja: {kernels.missing_toolchain()}", allow_module_level=True)
+_OK, _WHY = kernels.supported(cpu_platform())
+if not _OK:
+    raise RuntimeError(f"Resin's CPU kernels did not build: {_WHY}")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ulp(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One step of dtype's rounding at each reference value (the spacing above |ref|)."""
+    mantissa = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}[dtype]
+    tiny = {torch.float32: 2.0 ** -126, torch.bfloat16: 2.0 ** -126, torch.float16: 2.0 ** -14}[dtype]
+    mag = ref.double().abs().clamp_min(tiny)
+    return torch.exp2(torch.floor(torch.log2(mag)) - mantissa)
+
+
+def _assert_within_ulps(got: torch.Tensor, ref: torch.Tensor, ulps: float) -> None:
+    assert got.dtype == ref.dtype and got.shape == ref.shape
+    err = (got.double() - ref.double()).abs()
+    worst = (err / _ulp(ref, ref.dtype)).max().item()
+    assert worst <= ulps, f"{worst} ulp from native (allowed {ulps})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 576), (7, 130), (3, 5, 64), (33, 17)])
+def test_rms_norm_matches_native(dtype, shape):
+    x = (torch.randn(*shape) * 3).to(dtype)
+    w = torch.randn(shape[-1]).to(dtype)
+    assert kernels.norm_args(x, w, 1e-5) is None
+    ulps = 4 if dtype == torch.float32 else 1
+    _assert_within_ulps(kernels.rms_norm(x, w, 1e-5), hal.RMS_NORM.native(x, w, 1e-5), ulps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (9, 130), (40, 64)])
+def test_fused_add_rms_norm_matches_native(dtype, rows, hidden):
+    wide = torch.randn(rows, hidden * 2).to(dtype)
+    x = wide[:, :hidden]  # a strided view, as a projection's output slice is
+    residual = torch.randn(rows, hidden).to(dtype)
+    w = torch.randn(hidden).to(dtype)
+    assert kernels.add_norm_args(x, residual, w, 1e-6) is None
+    out, res = kernels.fused_add_rms_norm(x, residual, w, 1e-6)
+    ref_out, ref_res = hal.FUSED_ADD_RMS_NORM.native(x, residual, w, 1e-6)
+    assert torch.equal(res, ref_res)  # one rounded add, as native's
+    _assert_within_ulps(out, ref_out, 4 if dtype == torch.float32 else 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (24, 24), (32, 16)])
+def test_rotary_is_bit_equal_to_native(dtype, is_neox, head_size, rot_dim):
+    t, hq, hk = 11, 6, 2
+    qkv = torch.randn(t, (hq + 2 * hk) * head_size).to(dtype)  # q and k as views of one projection output
+    q, k, _ = qkv.split([hq * head_size, hk * head_size, hk * head_size], dim=-1)
+    positions = torch.randint(0, 500, (t,))
+    cache = hal.rope_cos_sin_cache(rot_dim, 512, 10000.0)
+    ref_q, ref_k = hal.ROTARY.native(positions, q.clone(), k.clone(), cache, head_size, is_neox)
+    assert kernels.rotary_args(positions, q, k, cache, head_size, is_neox) is None
+    got_q, got_k = kernels.rotary(positions, q, k, cache, head_size, is_neox)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place
+    assert torch.equal(got_q, ref_q) and torch.equal(got_k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 3072), (5, 130), (2, 3, 64)])
+def test_silu_and_mul_matches_native(dtype, shape):
+    x = (torch.randn(*shape) * 4).to(dtype)
+    assert kernels.act_args(x) is None
+    ref = hal.SILU_AND_MUL.native(x)
+    # fp32: silu's exp and division each add an ulp before the product's rounding
+    _assert_within_ulps(kernels.silu_and_mul(x), ref, 8 if dtype == torch.float32 else 1)
+
+
+def test_silu_and_mul_extreme_inputs():
+    x = torch.tensor([[-200.0, -88.0, -20.0, 0.0, 20.0, 90.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    got = kernels.silu_and_mul(x)
+    ref = hal.SILU_AND_MUL.native(x)
+    assert torch.allclose(got, ref, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("shapes", [
+    [(9, 1), (6, 6), (23, 7), (1, 1), (40, 1)],  # decodes and prefill chunks mixed
+    [(5, 1), (17, 1), (33, 1), (70, 1)],  # decode only
+])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("h,hk,d", [(6, 2, 24), (9, 3, 64), (4, 4, 128)])
+def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d):
+    """Decode rows through the C++ kernel (prefill rows still SDPA), KV written by the C++ writer."""
+    block_size = 4
+    layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)
+    meta, t = paged_batch(shapes, block_size, 64)
+    cache = torch.randn(2, 64, block_size, hk, d).to(dtype)
+    q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hk, hk))
+    native = hal.NativeAttention([layer], block_size, dtype, torch.device("cpu"))
+    native.plan(meta)
+    ref_cache = cache.clone()
+    ref = native.forward(0, q, k, v, ref_cache).float()
+    cpp = CppAttention([layer], block_size, dtype, torch.device("cpu"))
+    cpp.plan(meta)
+    head_major = cache.permute(0, 3, 1, 2, 4).contiguous()
+    got = cpp.forward(0, q, k, v, head_major).float()
+    assert torch.equal(head_major.permute(0, 2, 3, 1, 4), ref_cache)
+    assert (ref - got).abs().max().item() <= tol
+
+
+def test_selected_on_this_cpu():
+    sel = hal.select_backend("cpu", install=False)
+    for op in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "attention"):
+        assert sel.table[op].chosen == "cpp", sel.format_table()
