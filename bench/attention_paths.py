@@ -6,6 +6,8 @@
 Decode: SDPA with a padding mask vs fp32 SDPA vs two plain matmuls with the GQA heads stacked, in bf16 and with
 K/V upcast to fp32 (faster for few sequences). Block gather: advanced indexing vs index_select over whole block
 rows. Prefill: one padded, masked SDPA call over all sequences vs one causal SDPA call per sequence.
+Paged decode, one layer as the providers run it (KV write included): the plain-torch `cpu` provider (block gather,
+then the matmuls) vs the `cpp` provider (Resin's C++ kernel reading blocks in place).
 """
 from __future__ import annotations
 
@@ -51,6 +53,34 @@ def gather_paths(b: int, blocks_per_seq: int, hk: int = 3, d: int = 64, bs: int 
             "index_select_rows": bench(lambda: torch.index_select(flat, 1, blocks))}
 
 
+def paged_decode_paths(b: int, length: int, h: int = 9, hk: int = 3, d: int = 64, bs: int = 16) -> dict[str, float]:
+    from resin import hal
+    from resin.backends.cpu import kernels
+    from resin.backends.cpu.attention import CppAttention, CpuAttention
+    from resin.hal.platform import cpu_platform
+
+    per_seq = -(-length // bs)
+    num_blocks = b * per_seq + 8
+    tables = torch.randperm(num_blocks)[:b * per_seq].view(b, per_seq).to(torch.int32)
+    seq_lens = torch.full((b,), length, dtype=torch.int32)
+    slots = (tables[:, -1].long() * bs + (length - 1) % bs)
+    meta = hal.AttentionMetadata(query_start_loc=torch.arange(b + 1, dtype=torch.int32), seq_lens=seq_lens,
+                                 block_tables=tables, slot_mapping=slots, max_query_len=1, max_seq_len=length,
+                                 query_start_loc_host=torch.arange(b + 1, dtype=torch.int32))
+    layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5)
+    cache = torch.randn(2, hk, num_blocks, bs, d).to(torch.bfloat16)
+    q, k, v = (torch.randn(b, n * d).to(torch.bfloat16) for n in (h, hk, hk))
+    providers = [("cpu_gather_matmuls", CpuAttention)]
+    if kernels.supported(cpu_platform())[0]:
+        providers.append(("cpp_in_place", CppAttention))
+    out = {}
+    for name, cls in providers:
+        backend = cls([layer], bs, torch.bfloat16, torch.device("cpu"))
+        backend.plan(meta)
+        out[name] = bench(lambda: backend.forward(0, q, k, v, cache), 100)
+    return out
+
+
 def prefill_paths(lengths: list[int], h: int = 9, hk: int = 3, d: int = 64) -> dict[str, float]:
     b, m = len(lengths), max(lengths)
     qs = [torch.randn(1, h, n, d).to(torch.bfloat16) for n in lengths]
@@ -72,6 +102,9 @@ def main() -> None:
     torch.manual_seed(0)
     for b, length in ((1, 160), (1, 300), (4, 160), (8, 160), (32, 90), (32, 300)):
         print(f"decode  B={b:<3} L={length:<4}", {k: f"{v:.3f} ms" for k, v in decode_paths(b, length).items()})
+    for b, length in ((1, 160), (1, 300), (8, 160), (32, 90), (32, 300)):
+        print(f"paged decode B={b:<3} L={length:<4}",
+              {k: f"{v:.3f} ms" for k, v in paged_decode_paths(b, length).items()})
     for b in (1, 8, 32):
         print(f"gather  B={b:<3} 12 blocks", {k: f"{v:.3f} ms" for k, v in gather_paths(b, 12).items()})
     rng = random.Random(0)

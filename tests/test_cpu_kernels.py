@@ -129,3 +129,25 @@ def test_selected_on_this_cpu():
     sel = hal.select_backend("cpu", install=False)
     for op in ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "attention"):
         assert sel.table[op].chosen == "cpp", sel.format_table()
+
+
+def test_missing_compiler_is_named(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    assert "no C++ compiler (no-such-c++)" in kernels.missing_toolchain()
+
+
+def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this source does not compile\n")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "build_dir", lambda: tmp_path / "build")
+    module, reason = kernels.load.__wrapped__()  # uncached: the real build of a broken source
+    assert module is None and "building Resin's CPU kernels failed" in reason and "error" in reason
+
+
+def test_without_kernels_the_torch_providers_serve(monkeypatch):
+    monkeypatch.setattr(kernels, "load", lambda: (None, "no C++ compiler (c++) on PATH"))
+    sel = hal.select_backend("cpu", install=False)
+    assert sel.table["attention"].chosen == "cpu" and sel.table["rotary"].chosen == "cpu"
+    assert sel.table["rms_norm"].chosen == "native"
+    assert ("cpp", "no C++ compiler (c++) on PATH") in sel.table["silu_and_mul"].skipped

@@ -76,11 +76,11 @@ def load() -> tuple[ModuleType | None, str]:
     from torch.utils import cpp_extension
 
     folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
     name = f"resin_cpu_kernels_{folder.name}"
     if not (folder / f"{name}.so").exists():
         log.warning("building Resin's C++ CPU kernels into %s (once per machine; about a minute)", folder)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
                                     extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a broken toolchain must not take the engine down: the torch providers serve
