@@ -60,6 +60,14 @@ def missing_toolchain() -> str | None:
         return f"no C++ compiler ({compiler}) on PATH: install g++ to build Resin's CPU kernels"
     from torch.utils import cpp_extension
 
+    if shutil.which("ninja") is None:
+        # The pip package (a dependency) puts ninja in the venv's bin, which is on PATH only in an activated venv;
+        # torch's builder looks it up on PATH.
+        try:
+            import ninja
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+        except (ImportError, AttributeError):
+            pass
     try:
         cpp_extension.verify_ninja_availability()
     except RuntimeError:
