@@ -26,3 +26,24 @@ def paged_batch(shapes: list[tuple[int, int]], block_size: int, num_blocks: int)
         slot_mapping=slots, max_query_len=max(s[2] for s in seqs), max_seq_len=max(s[1] for s in seqs),
         query_start_loc_host=qsl)
     return meta, start
+
+
+def head_major_vs_native(backend_cls: type, layer: hal.AttentionLayer, shapes: list[tuple[int, int]],
+                         dtype: torch.dtype, block_size: int = 4, num_blocks: int = 64) -> float:
+    """Runs a cpu attention provider (head-major cache) and native on the same random batch and cache; asserts the
+    caches end up equal (the KV write) and returns the largest output difference."""
+    h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_size
+    meta, t = paged_batch(shapes, block_size, num_blocks)
+    cache = torch.randn(2, num_blocks, block_size, hk, d).to(dtype)
+    q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hk, hk))
+    native = hal.NativeAttention([layer], block_size, dtype, torch.device("cpu"))
+    native.plan(meta)
+    ref_cache = cache.clone()
+    ref = native.forward(0, q, k, v, ref_cache).float()
+    backend = backend_cls([layer], block_size, dtype, torch.device("cpu"))
+    backend.plan(meta)
+    head_major = cache.permute(0, 3, 1, 2, 4).contiguous()  # its own layout, same contents
+    assert head_major.shape == backend.kv_cache_shape(num_blocks, block_size, hk, d)
+    got = backend.forward(0, q, k, v, head_major).float()
+    assert torch.equal(head_major.permute(0, 2, 3, 1, 4), ref_cache)
+    return (ref - got).abs().max().item()

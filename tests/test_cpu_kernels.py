@@ -14,7 +14,7 @@ from resin.backends.cpu import kernels
 from resin.backends.cpu.attention import CppAttention
 from resin.hal.platform import cpu_platform
 
-from attention_batches import paged_batch
+from attention_batches import head_major_vs_native
 
 pytestmark = pytest.mark.kernels
 
@@ -108,21 +108,8 @@ def test_silu_and_mul_extreme_inputs():
 @pytest.mark.parametrize("h,hk,d", [(6, 2, 24), (9, 3, 64), (4, 4, 128)])
 def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d):
     """Decode rows through the C++ kernel (prefill rows still SDPA), KV written by the C++ writer."""
-    block_size = 4
     layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)
-    meta, t = paged_batch(shapes, block_size, 64)
-    cache = torch.randn(2, 64, block_size, hk, d).to(dtype)
-    q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hk, hk))
-    native = hal.NativeAttention([layer], block_size, dtype, torch.device("cpu"))
-    native.plan(meta)
-    ref_cache = cache.clone()
-    ref = native.forward(0, q, k, v, ref_cache).float()
-    cpp = CppAttention([layer], block_size, dtype, torch.device("cpu"))
-    cpp.plan(meta)
-    head_major = cache.permute(0, 3, 1, 2, 4).contiguous()
-    got = cpp.forward(0, q, k, v, head_major).float()
-    assert torch.equal(head_major.permute(0, 2, 3, 1, 4), ref_cache)
-    assert (ref - got).abs().max().item() <= tol
+    assert head_major_vs_native(CppAttention, layer, shapes, dtype) <= tol
 
 
 def test_selected_on_this_cpu():

@@ -7,7 +7,7 @@ import torch
 from resin import hal
 from resin.backends.cpu.attention import CpuAttention
 
-from attention_batches import paged_batch
+from attention_batches import head_major_vs_native
 
 pytestmark = pytest.mark.kernels
 
@@ -20,22 +20,8 @@ pytestmark = pytest.mark.kernels
 ])
 @pytest.mark.parametrize("window", [None, 6])
 def test_cpu_attention_matches_native(dtype, tol, shapes, window):
-    h, hk, d, block_size = 6, 2, 24, 4
-    layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)
-    meta, t = paged_batch(shapes, block_size, 48)
-    cache = torch.randn(2, 48, block_size, hk, d).to(dtype)
-    q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hk, hk))
-    native = hal.NativeAttention([layer], block_size, dtype, torch.device("cpu"))
-    native.plan(meta)
-    ref_cache = cache.clone()
-    ref = native.forward(0, q, k, v, ref_cache).float()
-    cpu = CpuAttention([layer], block_size, dtype, torch.device("cpu"))
-    cpu.plan(meta)
-    head_major = cache.permute(0, 3, 1, 2, 4).contiguous()  # its own layout, same contents
-    assert head_major.shape == cpu.kv_cache_shape(48, block_size, hk, d)
-    got = cpu.forward(0, q, k, v, head_major).float()
-    assert torch.equal(head_major.permute(0, 2, 3, 1, 4), ref_cache)
-    assert (ref - got).abs().max().item() <= tol
+    layer = hal.AttentionLayer(6, 2, 24, scale=24 ** -0.5, sliding_window=window)
+    assert head_major_vs_native(CpuAttention, layer, shapes, dtype, num_blocks=48) <= tol
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (7, 130), (3, 5, 64)])
