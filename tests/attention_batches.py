@@ -35,7 +35,8 @@ def head_major_vs_native(backend_cls: type, layer: hal.AttentionLayer, shapes: l
     h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_size
     meta, t = paged_batch(shapes, block_size, num_blocks)
     cache = torch.randn(2, num_blocks, block_size, hk, d).to(dtype)
-    q, k, v = (torch.randn(t, n * d).to(dtype) for n in (h, hk, hk))
+    # q, k, v as strided views of one projection output, as the models pass them
+    q, k, v = torch.randn(t, (h + 2 * hk) * d).to(dtype).split([h * d, hk * d, hk * d], dim=-1)
     native = hal.NativeAttention([layer], block_size, dtype, torch.device("cpu"))
     native.plan(meta)
     ref_cache = cache.clone()

@@ -106,10 +106,28 @@ def test_silu_and_mul_extreme_inputs():
 ])
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("h,hk,d", [(6, 2, 24), (9, 3, 64), (4, 4, 128)])
-def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d):
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d, block_size):
     """Decode rows through the C++ kernel (prefill rows still SDPA), KV written by the C++ writer."""
     layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)
-    assert head_major_vs_native(CppAttention, layer, shapes, dtype) <= tol
+    assert head_major_vs_native(CppAttention, layer, shapes, dtype, block_size=block_size) <= tol
+
+
+def test_cpp_attention_declines_other_dtypes():
+    layers = [hal.AttentionLayer(4, 2, 16, 0.25)]
+    assert "float64" in CppAttention.unsupported_reason(layers, 16, torch.float64, torch.device("cpu"))
+    assert CppAttention.unsupported_reason(layers, 16, torch.bfloat16, torch.device("cpu")) is None
+
+
+def test_bad_indices_raise_instead_of_reading_out_of_bounds():
+    cache = torch.zeros(2, 1, 4, 16, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 2 * 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.extension().paged_decode_attention(q, cache, torch.tensor([[7]], dtype=torch.int32),
+                                                   torch.tensor([3], dtype=torch.int32), 2, 0.1, 0)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        kernels.rotary(torch.tensor([512]), q[:, :64].clone(), q[:, :64].clone(),
+                       hal.rope_cos_sin_cache(64, 512, 10000.0), 64)
 
 
 def test_selected_on_this_cpu():
@@ -130,6 +148,19 @@ def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "build_dir", lambda: tmp_path / "build")
     module, reason = kernels.load.__wrapped__()  # uncached: the real build of a broken source
     assert module is None and "building Resin's CPU kernels failed" in reason and "error" in reason
+
+
+@pytest.mark.timeout(120)
+def test_stale_build_lock_does_not_hang(monkeypatch, tmp_path):
+    """A build killed midway leaves torch's `lock` file; the next start must not wait on it forever."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("#error this source does not compile\n")
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "lock").write_text("")
+    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "build_dir", lambda: tmp_path / "build")
+    module, reason = kernels.load.__wrapped__()
+    assert module is None and "failed" in reason
 
 
 def test_without_kernels_the_torch_providers_serve(monkeypatch):

@@ -63,6 +63,15 @@ def test_attention_falls_back_to_native_for_soft_cap():
     deactivate()
 
 
+def test_unsupported_provider_is_skipped_with_its_reason(fake_providers):
+    table = resolve({"rms_norm": ["vendorlib", "fast"]}, cpu_platform())
+    choice = table["rms_norm"]
+    assert [p.name for p in choice.chain] == ["fast", "native"]
+    assert choice.skipped == [("vendorlib", "vendorlib not importable")]
+    table = resolve({"rms_norm": ["missing"]}, cpu_platform())
+    assert table["rms_norm"].skipped[0][0] == "missing" and "not registered" in table["rms_norm"].skipped[0][1]
+
+
 def test_per_call_supports_args_falls_through_to_native(fake_providers):
     activate(resolve({"rms_norm": ["fast"]}, cpu_platform()))
     w = torch.ones(16)

@@ -167,6 +167,13 @@ class CppAttention(CpuAttention):
     kernel reads K and V in place through the block table, so no gather, no mask and no per-step bias; prefill
     chunks stay on SDPA, which is compute-bound and already fused."""
 
+    @classmethod
+    def unsupported_reason(cls, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
+                           device: torch.device) -> str | None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"Resin's C++ attention takes float32/bfloat16/float16, not {dtype}"
+        return super().unsupported_reason(layers, block_size, dtype, device)
+
     def _plan_decode(self, meta: AttentionMetadata, idx: torch.Tensor) -> None:
         all_rows = idx.shape[0] == meta.seq_lens.shape[0]
         self.decode_tables = meta.block_tables if all_rows else meta.block_tables[idx]
@@ -176,9 +183,11 @@ class CppAttention(CpuAttention):
         self.decode_seq_lens = self.decode_seq_lens.to(torch.int32).contiguous()
 
     def _write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor) -> None:
-        if k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype or k.stride(-1) != 1 or v.stride(-1) != 1:
+        slots = self.slot_mapping
+        if (k.dtype != kv_cache.dtype or v.dtype != kv_cache.dtype or k.dim() != 2 or v.dim() != 2
+                or k.stride(-1) != 1 or v.stride(-1) != 1 or slots.dtype != torch.int64 or not slots.is_contiguous()):
             return super()._write_kv(k, v, kv_cache)
-        extension().write_kv(kv_cache, k, v, self.slot_mapping)
+        extension().write_kv(kv_cache, k, v, slots)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         b, h, d = q.shape

@@ -11,10 +11,13 @@ rounding. Rotary rotates q and k in place, which the HAL op allows.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
+import subprocess
+import sysconfig
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -37,7 +40,7 @@ def _cpu_signature() -> str:
     """The instruction-set flags of this CPU: a binary built with -march=native is only valid where they match."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):  # x86 / aarch64
                 return line
     except OSError:
         pass
@@ -45,11 +48,20 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def build_dir() -> Path:
     from resin.builtin import cache_root
 
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), " ".join(_FLAGS).encode(),
-                                     _cpu_signature().encode()])).hexdigest()[:16]
+    compiler = os.environ.get("CXX", "c++")
+    parts = [SOURCE.read_bytes(), torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "", " ".join(_FLAGS),
+             _compiler_version(compiler), _cpu_signature()]
+    key = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in parts)).hexdigest()[:16]
     return cache_root() / "cpu_kernels" / key
 
 
@@ -83,14 +95,20 @@ def load() -> tuple[ModuleType | None, str]:
         return None, missing
     from torch.utils import cpp_extension
 
-    folder = build_dir()
-    name = f"resin_cpu_kernels_{folder.name}"
-    if not (folder / f"{name}.so").exists():
-        log.warning("building Resin's C++ CPU kernels into %s (once per machine; about a minute)", folder)
     try:
+        folder = build_dir()
+        name = f"resin_cpu_kernels_{folder.name}"
+        if not (folder / f"{name}.so").exists():
+            log.warning("building Resin's C++ CPU kernels into %s (once per machine; about a minute)", folder)
         folder.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
-                                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        # torch's builder waits, without a timeout, while a `lock` file exists in the folder; a build killed
+        # midway leaves one behind. An flock (released by the OS when its holder dies) serialises builds here,
+        # so a `lock` found while holding it is stale and goes.
+        with open(folder / "resin.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+            module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
+                                        extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a broken toolchain must not take the engine down: the torch providers serve
         errors = [line for line in str(e).splitlines() if "error" in line] or [type(e).__name__]
         return None, f"building Resin's CPU kernels failed: {errors[0].strip()}"

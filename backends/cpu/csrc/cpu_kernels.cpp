@@ -51,12 +51,21 @@ struct Io<c10::BFloat16> {
     return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
   }
 };
+#if defined(__FLT16_MAX__)  // GCC >= 12, Clang >= 15 on x86
 template <>
 struct Io<c10::Half> {
   using raw = _Float16;  // same bits as c10::Half; F16C converts it in hardware
   static float load(_Float16 x) { return static_cast<float>(x); }
   static _Float16 store(float f) { return static_cast<_Float16>(f); }
 };
+#else  // older compilers: c10's conversions (correct, not vectorised)
+template <>
+struct Io<c10::Half> {
+  using raw = c10::Half;
+  static float load(c10::Half x) { return static_cast<float>(x); }
+  static c10::Half store(float f) { return c10::Half(f); }
+};
+#endif
 
 template <typename T>
 using raw_t = typename Io<T>::raw;
@@ -210,7 +219,10 @@ void rotate_rows(raw_t<T>* x, int64_t row_stride, int64_t heads, int64_t head_si
     float* __restrict__ x2 = x1 + half;
     for (int64_t t = begin; t < end; ++t) {
       const float* row = cache + positions[t] * rot_dim;
-      for (int64_t i = 0; i < rot_dim; ++i) table[i] = round_to<T>(row[i]);
+      for (int64_t i = 0; i < half; ++i) {
+        cos_t[i] = round_to<T>(row[i]);
+        sin_t[i] = round_to<T>(row[half + i]);
+      }
       for (int64_t h = 0; h < heads; ++h) {
         raw_t<T>* __restrict__ v = x + t * row_stride + h * head_size;
         // neox pairs element i with i + half; GPT-J pairs 2i with 2i + 1. Split into two planes, rotate, merge.
@@ -256,6 +268,13 @@ void rotary(const torch::Tensor& positions, torch::Tensor q, torch::Tensor k, co
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
               "cos_sin_cache must be contiguous fp32");
   const int64_t rot_dim = cos_sin_cache.size(1), tokens = positions.size(0);
+  TORCH_CHECK(q.size(0) == tokens && k.size(0) == tokens, "q and k need one row per position");
+  TORCH_CHECK(rot_dim <= head_size && rot_dim % 2 == 0 && q.size(1) % head_size == 0 && k.size(1) % head_size == 0,
+              "rotary dims must be even, at most head_size, and q/k whole heads");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin_cache.size(0), "position ", pos[t], " is outside the rotary table (",
+                cos_sin_cache.size(0), " positions)");
   dispatch_float(q.scalar_type(), "rotary", [&](auto tag) {
     using scalar_t = decltype(tag);
     for (torch::Tensor* x : {&q, &k})
@@ -306,6 +325,10 @@ void write_kv(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tenso
               "k and v must have the cache's dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "slot_mapping must be contiguous int64");
   const int64_t hk = kv_cache.size(1), d = kv_cache.size(4), slots_per_head = kv_cache.size(2) * kv_cache.size(3);
+  TORCH_CHECK(k.size(1) == hk * d && v.size(1) == hk * d, "k and v must be (tokens, kv_heads * head_size)");
+  TORCH_CHECK(k.size(0) == slots.size(0) && v.size(0) == slots.size(0), "one slot per new token");
+  for (int64_t t = 0; t < slots.size(0); ++t)
+    TORCH_CHECK(slots.const_data_ptr<int64_t>()[t] < slots_per_head, "slot outside the cache");
   const int64_t bytes = d * kv_cache.element_size();
   char* cache = static_cast<char*>(kv_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.const_data_ptr());
@@ -498,6 +521,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
   const int64_t batch = q.size(0), kv_heads = kv_cache.size(1), d = kv_cache.size(4);
   TORCH_CHECK(q.size(1) == num_heads * d && num_heads % kv_heads == 0, "q must be (B, num_heads * head_size)");
+  TORCH_CHECK(block_tables.size(0) >= batch && seq_lens.size(0) == batch, "one block table and length per sequence");
+  const int64_t width = block_tables.size(1), block_size = kv_cache.size(3), blocks = kv_cache.size(2);
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = seq_lens.const_data_ptr<int32_t>()[b];
+    TORCH_CHECK(len >= 1 && len <= width * block_size, "sequence length ", len, " outside its block table");
+    const int32_t* row = block_tables.const_data_ptr<int32_t>() + b * block_tables.stride(0);
+    for (int64_t j = 0; j < (len + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(row[j] >= 0 && row[j] < blocks, "block id ", row[j], " outside the cache");
+  }
   auto out = torch::empty({batch, num_heads * d}, q.options());
   dispatch_float(q.scalar_type(), "paged_decode_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
