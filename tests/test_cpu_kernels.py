@@ -148,6 +148,11 @@ def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "build_dir", lambda: tmp_path / "build")
     module, reason = kernels.load.__wrapped__()  # uncached: the real build of a broken source
     assert module is None and "building Resin's CPU kernels failed" in reason and "error" in reason
+    # remembered: the next start reports the same reason without building again, and says how to retry
+    (tmp_path / "build" / "build.ninja").unlink()
+    again, reason_again = kernels.load.__wrapped__()
+    assert again is None and reason_again.startswith(reason) and "to retry" in reason_again
+    assert not (tmp_path / "build" / "build.ninja").exists()
 
 
 @pytest.mark.timeout(120)

@@ -31,6 +31,7 @@ log = logging.getLogger("resin")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FAILED = "build-failed.txt"  # in the build folder: the first error of a failed build, so later starts skip it
 # -fno-trapping-math lets GCC vectorise floor and float selects (it changes no value, only FP exception flags);
 # OpenMP because at::parallel_for's header is inline OpenMP.
 _FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"]
@@ -95,9 +96,13 @@ def load() -> tuple[ModuleType | None, str]:
         return None, missing
     from torch.utils import cpp_extension
 
+    folder = None
     try:
         folder = build_dir()
         name = f"resin_cpu_kernels_{folder.name}"
+        failed = folder / _FAILED
+        if failed.exists():  # this source failed with this compiler before: don't spend a minute failing again
+            return None, f"{failed.read_text().strip()} (delete {folder} to retry)"
         if not (folder / f"{name}.so").exists():
             log.warning("building Resin's C++ CPU kernels into %s (once per machine; about a minute)", folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -111,7 +116,13 @@ def load() -> tuple[ModuleType | None, str]:
                                         extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a broken toolchain must not take the engine down: the torch providers serve
         errors = [line for line in str(e).splitlines() if "error" in line] or [type(e).__name__]
-        return None, f"building Resin's CPU kernels failed: {errors[0].strip()}"
+        reason = f"building Resin's CPU kernels failed: {errors[0].strip()}"
+        if folder is not None and folder.is_dir():
+            try:
+                (folder / _FAILED).write_text(reason)
+            except OSError:
+                pass
+        return None, reason
     return module, ""
 
 
