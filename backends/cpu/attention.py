@@ -191,6 +191,6 @@ class CppAttention(CpuAttention):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         b, h, d = q.shape
-        out = extension().paged_decode_attention(q.reshape(b, h * d), kv_cache, self.decode_tables, self.decode_seq_lens,
-                                            h, layer.scale, layer.sliding_window or 0)
+        out = extension().paged_decode_attention(q.reshape(b, h * d), kv_cache, self.decode_tables,
+                                                 self.decode_seq_lens, h, layer.scale, layer.sliding_window or 0)
         return out.view(b, h, d)

@@ -1,9 +1,9 @@
 """Resin's C++ CPU kernels (csrc/cpu_kernels.cpp): built once per machine, then providers of the per-layer ops.
 
 The source is compiled with the machine's C++ compiler through torch.utils.cpp_extension (ninja) on first use
-and cached under the Resin cache folder, keyed by the source, the torch version and the CPU's instruction set
-(it is built with -march=native). Without a compiler, or if the build fails, the `cpp` providers report why and
-the ops fall through to the plain-torch providers: the engine never depends on the build.
+and cached under the Resin cache folder, keyed by the source, the torch version, the Python ABI, the compiler and
+the CPU's instruction set (it is built with -march=native). Without a compiler, or if the build fails, the `cpp`
+providers report why and the ops fall through to the plain-torch providers: the engine never depends on the build.
 
 Each provider computes what the native op computes (tests/test_cpu_kernels.py compares them on fresh random
 inputs): rotary bit for bit, norms and activations to within fp32 summation order / the last bit of exp before
