@@ -49,6 +49,11 @@ def _cpu_signature() -> str:
     return platform.processor() or platform.machine()
 
 
+def _compiler() -> str:
+    """The compiler torch's builder will use: $CXX, else c++."""
+    return os.environ.get("CXX", "c++")
+
+
 def _compiler_version(compiler: str) -> str:
     try:
         return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -59,16 +64,15 @@ def _compiler_version(compiler: str) -> str:
 def build_dir() -> Path:
     from resin.builtin import cache_root
 
-    compiler = os.environ.get("CXX", "c++")
     parts = [SOURCE.read_bytes(), torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "", " ".join(_FLAGS),
-             _compiler_version(compiler), _cpu_signature()]
+             _compiler_version(_compiler()), _cpu_signature()]
     key = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in parts)).hexdigest()[:16]
     return cache_root() / "cpu_kernels" / key
 
 
 def missing_toolchain() -> str | None:
     """Why the kernels cannot be built here (no compiler, no ninja), or None when they can."""
-    compiler = os.environ.get("CXX", "c++")
+    compiler = _compiler()
     if shutil.which(compiler) is None:
         return f"no C++ compiler ({compiler}) on PATH: install g++ to build Resin's CPU kernels"
     from torch.utils import cpp_extension
