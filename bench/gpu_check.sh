@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # GPU evidence in one script: the GPU test suite (kernels at real sizes, a tiny model on the GPU backend against
-# the cpu backend, graph replay against eager) and the kernel benchmark. Writes everything under OUT (default
-# bench/results/gpu-<date>) and prints a summary table. On a machine without a GPU it says so and stops.
+# the cpu backend, graph replay against eager), the cross-compile table for this GPU's arch (what the CPU-only CI
+# checks, here next to the real runs), and the kernel benchmark (decode graphs on/off per attention provider).
+# Writes everything under OUT (default bench/results/gpu-<date>) and prints a summary table. On a machine without
+# a GPU it says so and stops.
 #
 #   bash bench/gpu_check.sh [OUT]
 set -uo pipefail
@@ -22,9 +24,20 @@ nvidia-smi -L 2>/dev/null | tee "$OUT/gpu.txt" || rocm-smi --showproductname 2>/
     --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}
 
+# registers, spills, shared memory and occupancy of every kernel specialisation, compiled for this arch
+ARCH=$("$PY" -c "from resin import hal; print(hal.select_backend('auto', install=False).platform.arch)")
+case "$ARCH" in
+    gfx942|gfx950|sm_90|sm_100)
+        env -u TRITON_INTERPRET "$PY" -m resin.ci kernels --targets "$ARCH" --json "$OUT/kernels-compiled.json" \
+            2>&1 | tee "$OUT/kernels-compiled.txt"
+        compile_rc=${PIPESTATUS[0]} ;;
+    *) echo "$ARCH is not a target of the cross-compile gate (gfx942, gfx950, sm_90, sm_100)" \
+           | tee "$OUT/kernels-compiled.txt"; compile_rc=0 ;;
+esac
+
 "$PY" bench/gpu_kernels.py --out "$OUT/gpu-kernels.json" 2>&1 | tee "$OUT/gpu-kernels.txt"
 bench_rc=${PIPESTATUS[0]}
 
-{ echo "gpu tests: exit $tests_rc ($(tail -1 "$OUT/gpu-tests.txt"))"; echo "kernel bench: exit $bench_rc"; } \
-    | tee "$OUT/summary.txt"
-exit $(( tests_rc != 0 || bench_rc != 0 ))
+{ echo "gpu tests: exit $tests_rc ($(tail -1 "$OUT/gpu-tests.txt"))"; echo "cross-compile ($ARCH): exit $compile_rc";
+  echo "kernel bench: exit $bench_rc"; } | tee "$OUT/summary.txt"
+exit $(( tests_rc != 0 || compile_rc != 0 || bench_rc != 0 ))

@@ -1,5 +1,6 @@
 """GPU kernel evidence, in one run: paged decode attention bandwidth against a measured copy bandwidth, fused MoE
-against the unfused torch loop, and the decode step time of a SmolLM2-135M-shaped model with and without graphs.
+against the unfused torch loop, and the decode step time of a SmolLM2-135M-shaped model with and without graphs, for
+each attention provider this machine has.
 
     python bench/gpu_kernels.py --out bench/results/gpu-kernels.json      # on a GPU (bench/gpu_check.sh runs it)
     TRITON_INTERPRET=1 python bench/gpu_kernels.py --smoke                 # the script's logic on the cpu, tiny
@@ -84,11 +85,11 @@ def moe_speedup(device: torch.device, tokens: int, hidden: int, inter: int, expe
             "fused_us": fused * 1e6, "loop_us": loop * 1e6, "speedup": loop / fused}
 
 
-def decode_steps(model_dir: Path, batch: int, graphs: bool, steps: int, backend: str) -> dict:
+def decode_steps(model_dir: Path, batch: int, graphs: bool, steps: int, backend: str, attention: str) -> dict:
     from resin import LLM, SamplingParams
 
     llm = LLM(str(model_dir), backend=backend, kv_cache_memory="2GiB", max_num_seqs=max(batch, 1),
-              enable_graphs=graphs)
+              enable_graphs=graphs, ops=f"attention={attention}")
     engine = llm.engine
     for i in range(batch):
         engine.add_request(f"d{i}", [100 + (i * 13 + j) % 4000 for j in range(32)],
@@ -101,8 +102,11 @@ def decode_steps(model_dir: Path, batch: int, graphs: bool, steps: int, backend:
     for _ in range(steps):
         engine.step()  # sampling reads tokens back to the host, so each step is synchronous
     elapsed = time.perf_counter() - start
-    replays = engine.runner.graphs.replays if engine.runner.graphs is not None else 0
-    return {"batch": batch, "graphs": graphs, "ms_per_step": elapsed / steps * 1e3, "graph_replays": replays}
+    captured = engine.runner.graphs
+    return {"attention": attention, "batch": batch, "graphs": graphs, "ms_per_step": elapsed / steps * 1e3,
+            "graph_replays": captured.replays if captured is not None else 0,
+            # captured decode steps run the first graph-safe attention provider (the Triton kernel behind aiter's)
+            "graph_attention": type(captured.attn).__name__ if captured is not None else None}
 
 
 def main() -> None:
@@ -142,7 +146,10 @@ def main() -> None:
         save_tiny_model(model_dir, "LlamaForCausalLM", seed=0, **shape)
     batches = [1, 4] if args.smoke else [1, 8, 32, 64]
     steps = 3 if args.smoke else 50
-    results["decode"] = [decode_steps(model_dir, b, g, steps, sel.backend.name) for b in batches for g in (False, True)]
+    # every attention provider this machine has (graphs on and off each); --smoke: the first only
+    providers = [p.name for p in sel.table["attention"].chain if p.name != "native"] or ["native"]
+    results["decode"] = [decode_steps(model_dir, b, g, steps, sel.backend.name, a)
+                         for a in providers[:1 if args.smoke else None] for b in batches for g in (False, True)]
     hal.select_backend("auto")  # the LLMs above re-selected; leave the table as it was
     out.write_text(json.dumps(results, indent=2))
     print(format_table(results))
@@ -159,10 +166,10 @@ def format_table(r: dict) -> str:
     for m in r["moe"]:
         lines.append(f"  T={m['tokens']:<5} H={m['hidden']:<5} I={m['inter']:<5} E={m['experts']:<3} k={m['top_k']}"
                      f"        {m['fused_us']:9.1f} {m['loop_us']:10.1f} {m['speedup']:8.1f}x")
-    lines += ["", "decode step (SmolLM2-135M shape)     graphs   ms/step   replays"]
+    lines += ["", "decode step (SmolLM2-135M shape)   attention      graphs   ms/step   replays  (attention in graphs)"]
     for d in r["decode"]:
-        lines.append(f"  batch {d['batch']:<4}                          {'on ' if d['graphs'] else 'off'}"
-                     f"    {d['ms_per_step']:7.2f}   {d['graph_replays']}")
+        lines.append(f"  batch {d['batch']:<4}                     {d['attention']:<14} {'on ' if d['graphs'] else 'off'}"
+                     f"    {d['ms_per_step']:7.2f}   {d['graph_replays']:<7}  {d['graph_attention'] or '-'}")
     return "\n".join(lines)
 
 

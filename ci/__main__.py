@@ -1,5 +1,6 @@
 """python -m resin.ci run --vendor cpu|cuda|rocm [--runner LABEL] [--groups a,b]
-python -m resin.ci workflow [--write | --check]"""
+python -m resin.ci workflow [--write | --check]
+python -m resin.ci kernels [--targets gfx942,gfx950,sm_90,sm_100] [--shapes S,..] [--all] [--json PATH] [--jobs N]"""
 from __future__ import annotations
 
 import argparse
@@ -62,6 +63,24 @@ def cmd_workflow(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kernels(args: argparse.Namespace) -> int:
+    from resin.ci.kernel_gate import run_gate, write_json
+
+    start = time.monotonic()
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()] if args.shapes else None
+    report = run_gate([t.strip() for t in args.targets.split(",") if t.strip()], args.jobs, shapes)
+    print(report.format(every_specialisation=args.all))
+    if args.json:
+        write_json(report, args.json)
+    problems = report.problems()
+    total = sum(len(rows) for rows in report.results.values())
+    print(f"\n{total} specialisations compiled for {', '.join(report.results)} in {time.monotonic() - start:.0f} s; "
+          f"{len(problems)} problem(s)")
+    for line in problems:
+        print(f"  FAIL {line}")
+    return 1 if problems else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m resin.ci", description="The per-vendor CI matrix.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -74,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true")
     p.add_argument("--check", action="store_true")
     p.set_defaults(func=cmd_workflow)
+    p = sub.add_parser("kernels", help="compile every Triton kernel the engine launches for GPU targets (no GPU "
+                                       "needed); fail on compile errors, spills, or shared memory over the limit")
+    p.add_argument("--targets", default="gfx942,gfx950,sm_90,sm_100")
+    p.add_argument("--all", action="store_true", help="a row per specialisation, not only per kernel")
+    p.add_argument("--json", default=None, help="also write every result to this file")
+    p.add_argument("--jobs", type=int, default=None, help="compile processes (default: all cores)")
+    p.add_argument("--shapes", default=None, help="only the model/attention shapes whose name contains one of "
+                                                  "these, comma-separated (default: all; see ci/kernel_shapes.py)")
+    p.set_defaults(func=cmd_kernels)
     args = ap.parse_args(argv)
     try:
         return args.func(args)

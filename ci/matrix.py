@@ -42,6 +42,8 @@ def load_matrix(path: Path = MATRIX_FILE) -> Matrix:
         for group, g in data["groups"].items():
             if g.get("gpu_only") and v.get("requires") is None:
                 continue
+            if g.get("cpu_only") and v.get("requires") is not None:
+                continue
             if bool(g.get("markers")) == bool(g.get("command")):
                 raise ValueError(f"group {group!r} needs exactly one of markers / command")
             cells.append(Cell(vendor, group, tuple(v["runners"]), v.get("requires"), int(g["budget_minutes"]),

@@ -8,6 +8,7 @@ GROUP_MARKERS = {
     "unit": "fast tests of one module",
     "parity": "model logits/tokens against Hugging Face transformers",
     "kernels": "kernel providers against the native op",
+    "compiled": "every Triton kernel compiled ahead of time for the GPU targets (no GPU needed)",
     "e2e": "whole processes: the server, the command line",
 }
 HARDWARE_MARKERS = {

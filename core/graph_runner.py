@@ -14,6 +14,7 @@ import torch
 
 from resin.hal.attention import AttentionBackend, AttentionMetadata, ForwardContext
 from resin.hal.graphs import CAPTURE_GRAPH, StepGraph
+from resin.hal.registry import graph_phase
 
 Forward = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
 
@@ -56,18 +57,21 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every bucket, largest first so the smaller graphs reuse its memory pool. Every op call inside
+        runs its first graph-safe provider (graph_phase), also when a replay re-runs the step eagerly."""
         n = self.buckets[-1]
         self.attn.capture_state(n)
         self.attn.plan_for_replay(n, self._meta(n, self.block_tables.shape[1] * self.block_size))
-        warm = self.forward(self.input_ids, self.positions, self.ctx)  # eager: output size, lazy inits
+        with graph_phase():
+            warm = self.forward(self.input_ids, self.positions, self.ctx)  # output size, lazy inits
         self.hidden = torch.zeros_like(warm)
         pool = None
         for bs in reversed(self.buckets):
             self.attn.plan_for_replay(bs, self._meta(bs, self.block_tables.shape[1] * self.block_size))
 
             def step(bs: int = bs) -> None:
-                self.hidden[:bs].copy_(self.forward(self.input_ids[:bs], self.positions[:bs], self.ctx))
+                with graph_phase():
+                    self.hidden[:bs].copy_(self.forward(self.input_ids[:bs], self.positions[:bs], self.ctx))
             graph = CAPTURE_GRAPH(step, pool)
             pool = graph.pool()
             self.graphs[bs] = graph

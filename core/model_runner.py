@@ -17,8 +17,8 @@ import torch
 from resin.core.graph_runner import DecodeGraphs
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
-from resin.hal import ATTENTION, AttentionLayer, AttentionMetadata, ForwardContext
-from resin.hal.registry import graph_unsafe_ops
+from resin.hal import ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext
+from resin.hal.registry import GraphUnsafeError, graph_phase, graph_substitutions, ops_without_graph_provider
 
 log = logging.getLogger("resin.runner")
 
@@ -74,19 +74,15 @@ class RunnerOutput:
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int,
                  max_model_len: int, dtype: torch.dtype, device: torch.device, graph_batch: int = 0):
-        """graph_batch > 0: capture decode graphs for batches up to that size (if the attention provider is
-        graph-safe; else say so and run eagerly)."""
+        """graph_batch > 0: capture decode graphs for batches up to that size. Captured steps use each op's first
+        graph-safe provider, eager steps its first provider: one that cannot be captured costs graphs nothing."""
         self.model = model
         self.block_size = block_size
         self.device = device
         layers = model.attention_layers
         self.attn = ATTENTION(layers, block_size, dtype, device)
-        unsafe = graph_unsafe_ops() if graph_batch > 0 else []
-        graphs = graph_batch > 0 and self.attn.supports_graphs and not unsafe
-        if graph_batch > 0 and not self.attn.supports_graphs:
-            log.warning("decode graphs off: attention provider %s is not graph-safe", type(self.attn).__name__)
-        elif unsafe:
-            log.warning("decode graphs off: these ops' providers cannot be captured: %s", ", ".join(unsafe))
+        decode_attn = self._graph_attention(layers, block_size, dtype, device) if graph_batch > 0 else None
+        graphs = decode_attn is not None
         # With graphs, one extra block past the pool's is the scratch block that padding rows write to.
         cache_blocks = num_blocks + 1 if graphs else num_blocks
         self.kv_caches = [torch.zeros(self.attn.kv_cache_shape(cache_blocks, block_size, layer.num_kv_heads,
@@ -98,16 +94,44 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if graphs:
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(model.forward, self.ctx, graph_batch, max_blocks,
-                                       scratch_block=num_blocks, block_size=block_size, device=device)
+            self.graphs = DecodeGraphs(model.forward, ForwardContext(decode_attn, self.kv_caches), graph_batch,
+                                       max_blocks, scratch_block=num_blocks, block_size=block_size, device=device)
             try:
                 self.graphs.capture()
             except RuntimeError as e:  # a provider that syncs or reshapes inside capture: serve eagerly instead
                 log.warning("decode graphs off: capture failed (%s); decode steps run eagerly", e)
                 self.graphs = None
             else:
-                log.info("captured decode graphs for batch sizes %s in %.1f s", self.graphs.buckets,
-                         time.perf_counter() - start)
+                swaps = {**graph_substitutions(), "attention": (type(self.attn).__name__, type(decode_attn).__name__)}
+                swapped = "; ".join(f"{op}: {eager} eagerly, {captured} in graphs"
+                                    for op, (eager, captured) in swaps.items() if eager != captured)
+                log.info("captured decode graphs for batch sizes %s in %.1f s%s", self.graphs.buckets,
+                         time.perf_counter() - start, f" ({swapped}: not graph-safe)" if swapped else "")
+
+    def _graph_attention(self, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
+                         device: torch.device) -> AttentionBackend | None:
+        """The attention backend captured decode steps use: the eager one when it is graph-safe, else the first
+        graph-safe provider that takes this configuration and reads the same cache layout (None: no graphs)."""
+        unsafe = ops_without_graph_provider()
+        if unsafe:
+            log.warning("decode graphs off: these ops have no graph-safe provider: %s", ", ".join(unsafe))
+            return None
+        if self.attn.supports_graphs:
+            return self.attn
+        try:
+            with graph_phase():
+                decode_attn = ATTENTION(layers, block_size, dtype, device)
+        except GraphUnsafeError as e:
+            log.warning("decode graphs off: %s", e)
+            return None
+        same_layout = all(decode_attn.kv_cache_shape(2, block_size, layer.num_kv_heads, layer.head_size)
+                          == self.attn.kv_cache_shape(2, block_size, layer.num_kv_heads, layer.head_size)
+                          for layer in layers)
+        if not same_layout:
+            log.warning("decode graphs off: %s (graph-safe) keeps its KV cache in another layout than %s",
+                        type(decode_attn).__name__, type(self.attn).__name__)
+            return None
+        return decode_attn
 
     def release(self, req: Request) -> None:
         self.block_tables.release(req)

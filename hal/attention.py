@@ -153,7 +153,7 @@ class NativeAttention(AttentionBackend):
 
 
 
-ATTENTION = Op("attention", NativeAttention,
+ATTENTION = Op("attention", NativeAttention, native_graph_safe=False,  # plans on the host from real lengths
                doc="Paged attention backend factory: ATTENTION(layers, block_size, dtype, device) -> backend.")
 
 

@@ -8,6 +8,7 @@ chain that always ends in `native`; calls walk the chain to the first provider t
 from __future__ import annotations
 
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -43,13 +44,16 @@ class Op:
         _OPS[name] = self
 
     def register(self, name: str, supported: SupportedFn = always, supports_args: SupportsArgsFn | None = None,
-                 graph_safe: bool = True) -> Callable[[Callable], Callable]:
-        """Decorator used by backends: `@RMS_NORM.register("triton", supported=..., supports_args=...)`."""
+                 graph_safe: bool | None = None) -> Callable[[Callable], Callable]:
+        """Decorator used by backends: `@RMS_NORM.register("triton", supported=..., supports_args=...)`.
+        graph_safe defaults to the provider's own `supports_graphs` (attention backends say it on the class),
+        else True."""
         if name == "native":
             raise ValueError("'native' is the op's own definition and cannot be replaced")
 
         def deco(fn: Callable) -> Callable:
-            self.providers[name] = Provider(name, fn, supported, supports_args, graph_safe)
+            safe = getattr(fn, "supports_graphs", True) if graph_safe is None else graph_safe
+            self.providers[name] = Provider(name, fn, supported, supports_args, safe)
             return fn
         return deco
 
@@ -57,9 +61,15 @@ class Op:
         chain = _ACTIVE.get(self.name)
         if chain is None:
             return self.native(*args, **kwargs)
+        in_graph = _IN_GRAPH.get()
         for provider in chain:
+            if in_graph and not provider.graph_safe:
+                continue
             if provider.supports_args is None or provider.supports_args(*args, **kwargs) is None:
                 return provider.fn(*args, **kwargs)
+        if in_graph:
+            raise GraphUnsafeError(f"op {self.name}: no graph-safe provider takes this call (chain: "
+                                   f"{', '.join(p.name + ('' if p.graph_safe else ' [not graph-safe]') for p in chain)})")
         raise AssertionError(f"op {self.name}: chain without native")  # native accepts everything
 
     def __repr__(self) -> str:
@@ -70,6 +80,23 @@ _OPS: dict[str, Op] = {}
 # The only global mutable state: the provider chain of every op for the selected backend.
 _ACTIVE: dict[str, tuple[Provider, ...]] = {}
 _TRACING: set[str] | None = None  # set only inside trace_ops()
+# True while a decode step is captured into (or replayed from) a graph: calls then skip providers that are not
+# graph-safe, so a provider that cannot be captured costs graphs for no phase: eager steps still use it.
+_IN_GRAPH: ContextVar[bool] = ContextVar("resin_in_graph", default=False)
+
+
+class GraphUnsafeError(RuntimeError):
+    """Raised inside graph capture by an op call that no graph-safe provider takes."""
+
+
+@contextmanager
+def graph_phase() -> Iterator[None]:
+    """Op calls inside the block use the first graph-safe provider that takes them (decode-graph capture/replay)."""
+    token = _IN_GRAPH.set(True)
+    try:
+        yield
+    finally:
+        _IN_GRAPH.reset(token)
 
 
 def derived(tensor: Any, key: Any, make: Callable[[], Any]) -> Any:
@@ -96,6 +123,11 @@ class OpChoice:
     @property
     def chosen(self) -> str:
         return self.chain[0].name
+
+    @property
+    def chosen_in_graphs(self) -> str | None:
+        """The provider captured decode steps use: the first graph-safe one (None: graphs cannot run this op)."""
+        return next((p.name for p in self.chain if p.graph_safe), None)
 
 
 class SelectionError(ValueError):
@@ -180,9 +212,21 @@ def needs_fp8(supported: SupportedFn) -> SupportedFn:
     return check
 
 
-def graph_unsafe_ops() -> list[str]:
-    """Active ops whose first provider cannot run inside graph capture (with the provider's name)."""
-    return [f"{name} ({chain[0].name})" for name, chain in sorted(_ACTIVE.items()) if chain and not chain[0].graph_safe]
+def ops_without_graph_provider() -> list[str]:
+    """Active ops with no graph-safe provider in their chain (with the providers' names): graphs cannot capture
+    a step that calls them."""
+    return [f"{name} ({', '.join(p.name for p in chain)})" for name, chain in sorted(_ACTIVE.items())
+            if chain and not any(p.graph_safe for p in chain)]
+
+
+def graph_substitutions() -> dict[str, tuple[str, str]]:
+    """Active ops whose captured decode steps use another provider than eager steps: op -> (eager, in graphs)."""
+    out = {}
+    for name, chain in sorted(_ACTIVE.items()):
+        safe = next((p.name for p in chain if p.graph_safe), None)
+        if chain and safe is not None and safe != chain[0].name:
+            out[name] = (chain[0].name, safe)
+    return out
 
 
 def deactivate() -> None:

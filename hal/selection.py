@@ -40,6 +40,9 @@ class Selection:
             if not why:
                 why = "user override" if choice.overridden else (
                     "only provider on this backend" if len(choice.chain) == 1 else "first in priority order")
+            if self.platform.supports_graphs and choice.chosen_in_graphs != choice.chosen:
+                why += (f"; decode graphs use {choice.chosen_in_graphs} ({choice.chosen} is not graph-safe)"
+                        if choice.chosen_in_graphs else "; no graph-safe provider: decode steps run eagerly")
             rows.append((name, choice.chosen, why))
         widths = [max(len(r[i]) for r in rows) for i in range(2)]
         return "\n".join(f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows)

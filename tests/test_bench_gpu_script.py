@@ -25,6 +25,7 @@ def test_gpu_kernel_bench_runs_at_smoke_size(tmp_path):
     assert result["copy_GBps"] > 0 and result["attention"][0]["GBps"] > 0
     assert result["moe"][0]["speedup"] > 0
     assert {(d["batch"], d["graphs"]) for d in result["decode"]} == {(1, False), (1, True), (4, False), (4, True)}
+    assert len({d["attention"] for d in result["decode"]}) == 1  # --smoke: the first attention provider only
     assert "paged decode attention" in proc.stdout and "fused MoE" in proc.stdout
 
 

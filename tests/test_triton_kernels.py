@@ -253,7 +253,7 @@ def test_fused_moe(dtype, num_tokens, hidden, inter, num_experts, top_k, act):
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_UNDER_TEST, ids=str)
-@pytest.mark.parametrize("m,k", [(1, 16), (7, 96), (19, 200)])
+@pytest.mark.parametrize("m,k", [(1, 16), (7, 96), (19, 200), (3, 4100)])  # 4100: three chunks, ragged tail
 @pytest.mark.parametrize("static", [False, True])
 def test_fp8_quantize_matches_native(fp8_dtype, m, k, static):
     x = torch.randn(m, k) * 3

@@ -80,3 +80,53 @@ def test_graphs_stay_off_when_a_chosen_provider_cannot_be_captured(tmp_path, tri
                            num_blocks=8)
     assert engine.runner.graphs is None
     assert "fused_moe (native)" in caplog.text
+
+
+class EagerOnlyAttention(hal.NativeAttention):
+    """Stands in for aiter's unified attention (not graph-safe) on a faked gfx942: correct, and counted."""
+    forwards = 0
+
+    def forward(self, *args, **kwargs):
+        EagerOnlyAttention.forwards += 1
+        return super().forward(*args, **kwargs)
+
+
+def test_decode_graphs_stay_on_with_aiter_first_on_a_faked_gfx942(tmp_path, caplog):
+    """The rocm table with aiter importable puts aiter's attention (not graph-safe) first. Eager steps must use it,
+    captured decode steps the Triton kernel behind it, and the tokens must still be transformers'."""
+    from resin.hal.registry import Provider
+
+    sel = hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"aiter", "triton"}))
+    fakes = {"attention": EagerOnlyAttention}  # every other aiter provider: its op's native math, graph-safe
+    chains = {name: tuple(Provider("aiter", fakes.get(name, all_ops()[name].native), graph_safe=p.graph_safe)
+                          if p.name == "aiter" else p for p in choice.chain)
+              for name, choice in sel.table.items()}
+    chains["capture_graph"] = (all_ops()["capture_graph"].providers["native"],)  # no GPU: "graphs" replay eagerly
+    assert not chains["attention"][0].graph_safe and chains["attention"][1].name == "triton"
+    activate_chains(chains)
+    try:
+        hf = save_tiny(tmp_path, "Qwen3ForCausalLM", seed=5, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, hidden_size=32)
+        loaded = load_model(tmp_path, torch.float32, KERNEL_DEVICE)
+        config = EngineConfig(max_model_len=64, max_num_seqs=4, graphs=True, max_graph_batch=4)
+        with caplog.at_level("INFO", logger="resin.runner"):
+            engine = LLMEngine(loaded.model, config, loaded.model.config.vocab_size, torch.float32, KERNEL_DEVICE,
+                               num_blocks=16)
+        runner = engine.runner
+        assert isinstance(runner.attn, EagerOnlyAttention) and runner.graphs is not None
+        assert type(runner.graphs.attn).__name__ == "TritonAttention"
+        assert "attention: EagerOnlyAttention eagerly, TritonAttention in graphs" in caplog.text
+        EagerOnlyAttention.forwards = 0
+        prompts = [[7, 3, 9, 1], [4, 4, 8, 2, 6, 1, 3]]
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens[out.request_id] = out.outputs[0].token_ids
+        assert runner.graphs.replays > 0 and EagerOnlyAttention.forwards > 0  # both paths served steps
+        for i, prompt in enumerate(prompts):
+            assert tokens[str(i)] == hf_greedy(hf, prompt, 5)
+    finally:
+        deactivate()

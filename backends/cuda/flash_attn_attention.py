@@ -1,6 +1,7 @@
 """flash-attn 2's `flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
 max_seqlen_k, softmax_scale=, causal=True, window_size=(left, 0), softcap=, block_table=)` as an attention
-provider (flash-attn 2.5 … 2.8): one call for a mixed batch over the paged cache, NHD layout (the HAL default,
+provider (flash-attn 2.5 … 2.8; `softcap=` exists only from 2.6.0, so it is passed only for soft-capped layers,
+which older versions decline): one call for a mixed batch over the paged cache, NHD layout (the HAL default,
 split on its first axis).
 
 Upstream flash-attn 2 takes paged KV only in pages of a multiple of 256 tokens (128 on its ROCm build), so with
@@ -11,11 +12,22 @@ UNTESTED ON HARDWARE: no NVIDIA GPU in this project so far.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
 
 import torch
 
 from resin.backends.cuda.flashinfer_attention import kv_writer
 from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata
+
+
+def _version() -> tuple[int, ...]:
+    """The installed flash-attn's (major, minor); (0,) where it cannot be read."""
+    try:
+        found = re.match(r"(\d+)\.(\d+)", importlib.metadata.version("flash-attn"))
+    except importlib.metadata.PackageNotFoundError:
+        return (0,)
+    return tuple(int(g) for g in found.groups()) if found else (0,)
 
 
 class FlashAttnAttention(AttentionBackend):
@@ -30,12 +42,15 @@ class FlashAttnAttention(AttentionBackend):
             return "flash-attn needs head sizes that are multiples of 8, at most 256"
         if any(layer.has_sinks for layer in layers):
             return "flash-attn 2 has no attention sinks"
+        if any(layer.logits_soft_cap for layer in layers) and _version() < (2, 6):
+            return f"logit soft-cap needs flash-attn >= 2.6 (installed: {'.'.join(map(str, _version()))})"
         return None
 
     def __init__(self, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype, device: torch.device):
         super().__init__(layers, block_size, dtype, device)
         self._attend = importlib.import_module("flash_attn").flash_attn_varlen_func
         self._write_kv = kv_writer()
+        self._softcap = [{"softcap": layer.logits_soft_cap} if layer.logits_soft_cap else {} for layer in layers]
 
     def plan(self, meta: AttentionMetadata) -> None:
         self.meta = meta
@@ -51,5 +66,5 @@ class FlashAttnAttention(AttentionBackend):
                            meta.query_start_loc, self.cu_seqlens_k, meta.max_query_len, meta.max_seq_len,
                            softmax_scale=layer.scale, causal=True,
                            window_size=(layer.sliding_window - 1, 0) if layer.sliding_window else (-1, -1),
-                           softcap=layer.logits_soft_cap or 0.0, block_table=meta.block_tables)
+                           block_table=meta.block_tables, **self._softcap[layer_idx])
         return out.reshape(t, layer.num_heads * layer.head_size)

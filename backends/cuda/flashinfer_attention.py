@@ -30,6 +30,10 @@ class FlashInferAttention(AttentionBackend):
             return f"{dtype}: flashinfer runs fp16/bf16 caches"
         if any(layer.head_size not in (64, 128, 256) for layer in layers):
             return "flashinfer's prebuilt kernels cover head sizes 64, 128, 256"
+        if any(layer.has_sinks for layer in layers):
+            # The fa2/fa3 prefill backends (what the auto backend picks on A100/H100) ignore `sinks`, and before
+            # 0.2.10 run(sinks=) is a TypeError: attention with sinks would be silently wrong.
+            return "attention sinks: flashinfer's fa2/fa3 prefill backends ignore them"
         return None
 
     def __init__(self, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype, device: torch.device):
@@ -69,8 +73,7 @@ class FlashInferAttention(AttentionBackend):
         self._write_kv(kv_cache, k, v, self.meta.slot_mapping)
         t = q.shape[0]
         wrapper = self._wrappers[self._shape(layer)]
-        extra = {"sinks": sinks} if sinks is not None else {}
-        out = wrapper.run(q.reshape(t, layer.num_heads, layer.head_size), (kv_cache[0], kv_cache[1]), **extra)
+        out = wrapper.run(q.reshape(t, layer.num_heads, layer.head_size), (kv_cache[0], kv_cache[1]))
         return out.reshape(t, layer.num_heads * layer.head_size)
 
 

@@ -8,6 +8,8 @@ UNTESTED ON HARDWARE here (no GPU in this project so far); tests/gpu/test_kernel
 """
 from __future__ import annotations
 
+import re
+
 import torch
 
 from resin.hal.platform import Platform
@@ -57,7 +59,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         scale_b = weight_scale.float().reshape(1, -1).expand(1, n).contiguous()
     try:
         out = torch._scaled_mm(xq, weight.t(), scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=x.dtype)
-    except RuntimeError:
+    except RuntimeError as e:
+        if not is_layout_refusal(e):
+            raise  # out of memory, a device fault: not a reason to route this weight elsewhere forever
         setattr(weight, _REFUSED, True)
         return triton_fp8_linear(x, weight, weight_scale, input_scale, bias)
     return out.reshape(*x.shape[:-1], n)
+
+
+# What torch._scaled_mm says when this torch/BLAS build does not take a scale layout or dtype combination
+# ("Invalid scaling configuration", "... RowWise scaling ...", "... only supported on ...", CUBLAS_STATUS_NOT_SUPPORTED).
+_REFUSAL = re.compile(r"scal|rowwise|not[ _]supported|only supported|not compiled", re.IGNORECASE)
+
+
+def is_layout_refusal(error: RuntimeError) -> bool:
+    return not isinstance(error, torch.OutOfMemoryError) and _REFUSAL.search(str(error)) is not None

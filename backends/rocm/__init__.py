@@ -19,6 +19,8 @@ from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import FUSED_ADD_RMS_NORM, RMS_NORM, ROTARY
 from resin.hal.selection import BackendSpec
 
+# aiter's unified attention is not graph-safe (host max lengths): eager steps use it, captured decode steps the
+# Triton kernel behind it (hal.registry.graph_phase), so decode graphs stay on with aiter installed.
 ATTENTION.register("aiter", aiter.supported, aiter_attention.AiterUnifiedAttention.unsupported_reason)(
     aiter_attention.AiterUnifiedAttention)
 RMS_NORM.register("aiter", aiter.supported, aiter_norm.supports_args)(aiter_norm.rms_norm)

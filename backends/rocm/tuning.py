@@ -8,7 +8,8 @@ from resin.backends.triton.tuning import Tuning
 
 TUNING = Tuning(
     vendor="rocm", warp_size=64, elementwise_warps=2,
-    attention_block_m=64, attention_warps=4, attention_stages=1, decode_target_programs=608,
-    gemm_block=(64, 128, 64), gemm_warps=4, gemm_stages=2,
+    attention_block_m=64, attention_block_m_fp32=32,
+    attention_warps=4, attention_stages=1, decode_target_programs=608,
+    gemm_block=(64, 128, 64), gemm_warps=4, gemm_stages=2, gemm_block_fp32=(32, 64, 32),
     extra_launch={"waves_per_eu": 2, "matrix_instr_nonkdim": 16},
 )

@@ -160,7 +160,7 @@ class TritonAttention(AttentionBackend):
     # -- planning ---------------------------------------------------------------------------------------------
     def _tile(self, max_group: int, decode_only: bool) -> tuple[int, int]:
         g_pad = triton.next_power_of_2(max_group)
-        rows = 16 if decode_only else self.tuning.attention_block_m
+        rows = 16 if decode_only else self.tuning.attention_rows(self.dtype)
         return max(1, rows // g_pad), g_pad
 
     def _splits(self, num_seqs: int, max_blocks: int) -> int:

@@ -17,30 +17,41 @@ from resin.hal.fp8 import _MIN_SCALE
 @triton.jit
 def _quant_per_token_kernel(x_ptr, q_ptr, s_ptr, k, x_stride, fmax, min_scale, min_normal, sub_step,
                             STATIC: tl.constexpr, BLOCK: tl.constexpr):
+    # The row is walked in BLOCK-wide chunks (a max pass, then a quantise pass) rather than held whole: a whole
+    # 14k-28k row in one program's registers spills on every target (the cross-compile gate found it).
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < k
-    x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
     if STATIC:
         scale = tl.load(s_ptr)
     else:
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), 0), fmax), min_scale)
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, k, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row * x_stride + cols, mask=cols < k, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), fmax), min_scale)
         tl.store(s_ptr + row, scale)
-    # div_rn: correctly rounded like torch's division (plain `/` lowers to an approximate divide on NVIDIA)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fmax), fmax)
-    # Round to the fp8 grid (nearest even) in fp32 first, so the cast below is exact. Triton's CPU interpreter
-    # (3.9) rounds fp8 casts wrongly (it drops the carry into the next binade, 124.3 -> 64, and truncates
-    # subnormals), and an explicit rounding costs nothing in a memory-bound kernel. Normal range: keep 3 mantissa
-    # bits of the fp32 pattern. Subnormal range: a uniform grid of step min_normal / 8, rounded via floor.
-    bits = q.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # ~0xFFFFF
-    n = q / sub_step
-    fl = tl.floor(n)
-    frac = n - fl
-    odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
-    sub = (fl + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)) * sub_step
-    q = tl.where(tl.abs(q) >= min_normal, normal, sub)
-    tl.store(q_ptr + row * k + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    for k0 in range(0, k, BLOCK):
+        cols = k0 + tl.arange(0, BLOCK)
+        ok = cols < k
+        x = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        # div_rn: correctly rounded like torch's division (plain `/` lowers to an approximate divide on NVIDIA)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fmax), fmax)
+        # Round to the fp8 grid (nearest even) in fp32 first, so the cast below is exact. Triton's CPU interpreter
+        # (3.9) rounds fp8 casts wrongly (it drops the carry into the next binade, 124.3 -> 64, and truncates
+        # subnormals), and an explicit rounding costs nothing in a memory-bound kernel. Normal range: keep 3
+        # mantissa bits of the fp32 pattern. Subnormal range: a uniform grid of step min_normal / 8, rounded via floor.
+        bits = q.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # ~0xFFFFF
+        n = q / sub_step
+        fl = tl.floor(n)
+        frac = n - fl
+        odd = (fl - 2.0 * tl.floor(fl * 0.5)) == 1.0
+        sub = (fl + tl.where((frac > 0.5) | ((frac == 0.5) & odd), 1.0, 0.0)) * sub_step
+        q = tl.where(tl.abs(q) >= min_normal, normal, sub)
+        tl.store(q_ptr + row * k + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+
+
+_QUANT_BLOCK = 2048  # elements of a row per chunk: 8-16 per lane at 2-4 warps, no spills on any target
 
 
 def quantize_fp8(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None,
@@ -53,7 +64,8 @@ def quantize_fp8(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None
     if m:
         info = torch.finfo(dtype)
         _quant_per_token_kernel[(m,)](x2, q, s, k, x2.stride(0), info.max, _MIN_SCALE, info.smallest_normal,
-                                      info.smallest_normal / 8, STATIC=scale is not None, BLOCK=triton.next_power_of_2(k),
+                                      info.smallest_normal / 8, STATIC=scale is not None,
+                                      BLOCK=min(triton.next_power_of_2(k), _QUANT_BLOCK),
                                       **tuning.launch(tuning.elementwise_warps))
     return q, s
 

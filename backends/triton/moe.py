@@ -131,7 +131,7 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
                   block_expert: torch.Tensor, topk_w: torch.Tensor | None, a_row_div: int, tuning: Tuning) -> None:
-    bm, bn, bk = tuning.gemm_block
+    bm, bn, bk = tuning.gemm_tile(a.dtype)
     n, k = w.shape[1], w.shape[2]
     grid = (block_expert.shape[0], triton.cdiv(n, bn))
     _grouped_gemm_kernel[grid](
@@ -145,7 +145,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     tuning = tuning or current()
     t, top_k = topk_ids.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
-    sorted_ids, block_expert = sort_by_expert(topk_ids, w13.shape[0], tuning.gemm_block[0])
+    sorted_ids, block_expert = sort_by_expert(topk_ids, w13.shape[0], tuning.gemm_tile(x.dtype)[0])
     gate_up = torch.empty(t * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, None, top_k, tuning)
     h = silu_and_mul(gate_up, tuning) if activation == "silu" else gelu_and_mul(gate_up, "none", tuning)

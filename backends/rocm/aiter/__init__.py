@@ -30,7 +30,14 @@ def supported(platform: Platform) -> tuple[bool, str]:
     return True, ""
 
 
-fp8_supported = needs_fp8(supported)
+def _with_triton(platform: Platform) -> tuple[bool, str]:
+    ok, why = supported(platform)
+    if ok and "triton" not in platform.libraries:
+        return False, "activation quantisation uses the Triton kernel: triton is not importable (pip install 'resin[triton]')"
+    return ok, why
+
+
+fp8_supported = needs_fp8(_with_triton)
 
 
 def aiter_module(name: str = "aiter") -> Any:

@@ -6,7 +6,8 @@ Signature targeted (keywords after v_descale, which moved in v0.1.16): unified_a
 cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, softmax_scale, causal=True, window_size, block_table,
 softcap, q_descale, k_descale, v_descale, sinks=...). It writes `out` in place (v0.1.7 returns None).
 Graph capture is not claimed: the launch reads max_seqlen_q / max_seqlen_k from the host, so a captured graph
-would freeze them; with this provider decode steps run eagerly (the triton provider is graph-safe).
+would freeze them. Eager steps (prefill, mixed) use this provider; captured decode steps use the graph-safe Triton
+kernel behind it in the chain, over the same cache layout.
 """
 from __future__ import annotations
 

@@ -6,19 +6,36 @@ load time), so expert memory is not doubled. The weights are then only valid for
 every later call for them (its checks depend on shapes and dtypes only), so no other provider sees them."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from resin.backends.rocm.aiter import aiter_module
 
-_ATTR = "_resin_aiter_shuffled"  # marks an expert tensor whose storage now holds aiter's shuffled layout
+# aiter's own mark for expert weights already in its shuffled layout: its fused_moe reads it (from v0.1.16, with a
+# warning that results may be wrong without it), and this adapter reads it to shuffle once.
+_SHUFFLED = "is_shuffled"
+_GROUP_COUNTS = (1, 2, 4, 8)  # the num_expert_group values aiter's grouped top-k kernels are instantiated for
+_TOKENS_PER_CU = 212  # above cu_count x this many tokens, biased_grouped_topk asserts need_renorm
+
+
+@functools.cache
+def _cu_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def route_supports_args(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
                         num_expert_group: int | None = None, topk_group: int | None = None,
                         correction_bias: torch.Tensor | None = None, routed_scaling_factor: float = 1.0) -> str | None:
     if num_expert_group:
+        if num_expert_group not in _GROUP_COUNTS:
+            return f"{num_expert_group} expert groups: aiter's grouped top-k takes {_GROUP_COUNTS}"
         if correction_bias is not None and scoring != "sigmoid":
             return "aiter biased_grouped_topk scores with sigmoid only"
+        if correction_bias is not None and not renormalize:
+            limit = _cu_count(router_logits.device.index or 0) * _TOKENS_PER_CU
+            if router_logits.shape[0] > limit:
+                return f"{router_logits.shape[0]} tokens > {limit} without renormalisation: aiter asserts need_renorm"
         return None  # grouped_topk / biased_grouped_topk
     if scoring != "softmax" or correction_bias is not None or routed_scaling_factor != 1.0:
         return "aiter topk_softmax: plain softmax top-k only"
@@ -47,7 +64,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
 
 def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                             topk_ids: torch.Tensor, activation: str = "silu") -> str | None:
-    if getattr(w13, _ATTR, False):
+    if getattr(w13, _SHUFFLED, False):
         return None  # already shuffled for aiter: nothing else can read these weights now
     if x.dtype not in (torch.float16, torch.bfloat16) or w13.dtype != x.dtype:
         return f"{x.dtype} activations / {w13.dtype} experts: aiter fused_moe runs fp16/bf16"
@@ -57,9 +74,10 @@ def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
 
 
 def _shuffled(w: torch.Tensor) -> torch.Tensor:
-    if not getattr(w, _ATTR, False):
+    """Shuffle in place (the .data swap keeps the Parameter), once, and mark it the way aiter reads."""
+    if not getattr(w, _SHUFFLED, False):
         w.data = aiter_module("aiter.ops.shuffle").shuffle_weight(w.data, layout=(16, 16))
-        setattr(w, _ATTR, True)
+        setattr(w, _SHUFFLED, True)
     return w
 
 

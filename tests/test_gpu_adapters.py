@@ -1,0 +1,139 @@
+"""The GPU adapters' own decisions, on the cpu with the platform (and, where needed, the library) faked: which
+calls each declines, what it passes, what it marks, which errors it survives. The library calls themselves are
+untested on hardware here (no GPU in this project so far)."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+
+from resin import hal
+from resin.backends.cuda import flash_attn_attention, scaled_mm
+from resin.backends.cuda.flashinfer_attention import FlashInferAttention
+from resin.backends.rocm.aiter import moe as aiter_moe
+
+pytestmark = pytest.mark.unit
+
+CPU = torch.device("cpu")
+
+
+def test_rocm_with_aiter_captures_decode_graphs_with_the_triton_attention():
+    sel = hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"aiter", "triton"}))
+    attention = sel.table["attention"]
+    assert attention.chosen == "aiter" and attention.chosen_in_graphs == "triton"
+    assert "decode graphs use triton (aiter is not graph-safe)" in sel.format_table()
+    assert all(c.chosen_in_graphs is not None for c in sel.table.values())  # every op can be captured
+    cpu = hal.describe_backend("cpu")  # no graphs on the cpu: nothing to say about them
+    assert "decode graphs" not in cpu.format_table()
+
+
+def test_an_op_without_a_graph_safe_provider_is_named():
+    sel = hal.describe_backend("cuda", arch="sm_90", libraries=frozenset({"flashinfer"}))
+    assert sel.table["attention"].chosen == "flashinfer" and sel.table["attention"].chosen_in_graphs is None
+    assert "no graph-safe provider: decode steps run eagerly" in sel.format_table()
+
+
+def test_flashinfer_declines_sinks():
+    sink = hal.AttentionLayer(64, 8, 64, 0.125, sliding_window=128, has_sinks=True)
+    assert "sinks" in FlashInferAttention.unsupported_reason([sink], 16, torch.bfloat16, CPU)
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    calls = []
+
+    def varlen(q, k_cache, v_cache, *args, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros_like(q)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    return calls
+
+
+@pytest.mark.parametrize("version,declines", [((2, 5), True), ((2, 6), False), ((0,), True)])
+def test_flash_attn_soft_cap_needs_2_6(monkeypatch, version, declines):
+    monkeypatch.setattr(flash_attn_attention, "_version", lambda: version)
+    capped = hal.AttentionLayer(8, 8, 64, 0.125, logits_soft_cap=30.0)
+    plain = hal.AttentionLayer(8, 8, 64, 0.125)
+    reason = flash_attn_attention.FlashAttnAttention.unsupported_reason([capped], 256, torch.bfloat16, CPU)
+    assert (reason is not None and "2.6" in reason) == declines
+    assert flash_attn_attention.FlashAttnAttention.unsupported_reason([plain], 256, torch.bfloat16, CPU) is None
+
+
+def test_flash_attn_passes_softcap_only_to_capped_layers(fake_flash_attn, monkeypatch):
+    monkeypatch.setattr(flash_attn_attention, "kv_writer", lambda: lambda *a: None)
+    layers = [hal.AttentionLayer(2, 1, 16, 0.25), hal.AttentionLayer(2, 1, 16, 0.25, logits_soft_cap=30.0)]
+    attn = flash_attn_attention.FlashAttnAttention(layers, 256, torch.float32, CPU)
+    qsl = torch.tensor([0, 3], dtype=torch.int32)
+    attn.plan(hal.AttentionMetadata(qsl, torch.tensor([3], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                                    torch.arange(3), 3, 3, qsl))
+    cache = torch.zeros(2, 1, 256, 1, 16)
+    for i in range(2):
+        attn.forward(i, torch.zeros(3, 32), torch.zeros(3, 16), torch.zeros(3, 16), cache)
+    assert "softcap" not in fake_flash_attn[0] and fake_flash_attn[1]["softcap"] == 30.0
+
+
+def test_aiter_grouped_routing_declines_what_its_kernels_cannot_take(monkeypatch):
+    monkeypatch.setattr(aiter_moe, "_cu_count", lambda index: 2)  # a 2-CU device: the limit is 424 tokens
+    logits, bias = torch.zeros(8, 96), torch.zeros(96)
+    assert aiter_moe.route_supports_args(logits, 8, "sigmoid", True, 8, 4, bias) is None
+    assert "expert groups" in aiter_moe.route_supports_args(logits, 8, "sigmoid", True, 3, 1, bias)
+    assert "expert groups" in aiter_moe.route_supports_args(logits, 8, "softmax", True, 12, 4)
+    many = torch.zeros(425, 96)
+    assert "need_renorm" in aiter_moe.route_supports_args(many, 8, "sigmoid", False, 8, 4, bias)
+    assert aiter_moe.route_supports_args(many, 8, "sigmoid", True, 8, 4, bias) is None  # renormalised: fine
+    assert aiter_moe.route_supports_args(torch.zeros(424, 96), 8, "sigmoid", False, 8, 4, bias) is None
+
+
+def test_aiter_experts_are_shuffled_once_and_marked_as_aiter_reads(monkeypatch):
+    shuffles = []
+
+    def shuffle_weight(w, layout):
+        shuffles.append(layout)
+        return w.flip(-1).contiguous()
+    monkeypatch.setattr(aiter_moe, "aiter_module",
+                        lambda name="aiter": types.SimpleNamespace(shuffle_weight=shuffle_weight))
+    w = torch.nn.Parameter(torch.arange(64, dtype=torch.bfloat16).view(1, 4, 16), requires_grad=False)
+    before = w.detach().clone()
+    assert aiter_moe._shuffled(w) is w and w.is_shuffled is True
+    aiter_moe._shuffled(w)
+    assert shuffles == [(16, 16)] and torch.equal(w.detach(), before.flip(-1))
+    assert aiter_moe.fused_moe_supports_args(torch.zeros(1, 16, dtype=torch.float32), w, w, None, None) is None
+
+
+def test_aiter_fp8_gemm_needs_triton_for_its_activation_quantiser():
+    sel = hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"aiter"}))
+    assert "triton is not importable" in dict(sel.table["fp8_linear"].skipped)["aiter"]
+    with_triton = hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"aiter", "triton"}))
+    assert with_triton.table["fp8_linear"].chosen == "aiter"
+
+
+@pytest.mark.parametrize("error,refusal", [
+    (RuntimeError("Invalid scaling configuration. For tensorwise scaling, both scales should be scalar."), True),
+    (RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul"), True),
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+])
+def test_scaled_mm_falls_back_only_on_layout_refusals(error, refusal):
+    assert scaled_mm.is_layout_refusal(error) == refusal
+
+
+@pytest.mark.parametrize("refused", [True, False])
+def test_scaled_mm_marks_a_weight_only_when_refused(monkeypatch, refused):
+    """Refused: the Triton GEMM serves this weight from then on. Out of memory: the error propagates and the weight
+    keeps its provider (it is not routed elsewhere forever by a transient failure)."""
+    def scaled(*args, **kwargs):
+        raise RuntimeError("Invalid scaling configuration") if refused else torch.OutOfMemoryError("out of memory")
+    monkeypatch.setattr(torch, "_scaled_mm", scaled)
+    x, w = torch.randn(3, 32), torch.randn(16, 32)
+    scale = (w.abs().amax(1) / 448.0)
+    wq = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    if refused:
+        out = scaled_mm.fp8_linear(x, wq, scale)
+        assert getattr(wq, scaled_mm._REFUSED) is True
+        torch.testing.assert_close(out, hal.FP8_LINEAR.native(x, wq, scale), rtol=2e-2, atol=2e-2)
+    else:
+        with pytest.raises(torch.OutOfMemoryError):
+            scaled_mm.fp8_linear(x, wq, scale)
+        assert not getattr(wq, scaled_mm._REFUSED, False)
