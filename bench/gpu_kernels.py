@@ -168,7 +168,8 @@ def format_table(r: dict) -> str:
                      f"        {m['fused_us']:9.1f} {m['loop_us']:10.1f} {m['speedup']:8.1f}x")
     lines += ["", "decode step (SmolLM2-135M shape)   attention      graphs   ms/step   replays  (attention in graphs)"]
     for d in r["decode"]:
-        lines.append(f"  batch {d['batch']:<4}                     {d['attention']:<14} {'on ' if d['graphs'] else 'off'}"
+        lines.append(f"  batch {d['batch']:<4}                     {d['attention']:<14} "
+                     f"{'on ' if d['graphs'] else 'off'}"
                      f"    {d['ms_per_step']:7.2f}   {d['graph_replays']:<7}  {d['graph_attention'] or '-'}")
     return "\n".join(lines)
 

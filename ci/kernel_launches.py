@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext
+from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata, step_metadata
 from resin.hal.registry import Provider, activate_chains, active_chains, all_ops
 
 BLOCK_SIZE = 16  # the engine's default block size
@@ -186,7 +186,7 @@ def recording_providers(rec: Recorder) -> Iterator[None]:
 
 @dataclass
 class Batch:
-    """A step's sequences: new tokens and context already cached, each."""
+    """A step's sequences: new tokens and context already cached, each; sequence i owns a run of blocks."""
     q_lens: list[int]
     ctx_lens: list[int]
     meta: AttentionMetadata = field(init=False)
@@ -194,18 +194,11 @@ class Batch:
     positions: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        seq_lens = [q + c for q, c in zip(self.q_lens, self.ctx_lens)]
-        per_seq = -(-max(seq_lens) // BLOCK_SIZE)
-        tables = torch.arange(len(seq_lens) * per_seq, dtype=torch.int32).view(len(seq_lens), per_seq)
-        qsl = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(self.q_lens), 0)
-        positions = torch.cat([torch.arange(c, c + q) for q, c in zip(self.q_lens, self.ctx_lens)])
-        seq_of = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(self.q_lens))
-        slots = tables[seq_of, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
-        self.meta = AttentionMetadata(qsl, torch.tensor(seq_lens, dtype=torch.int32), tables, slots,
-                                      max(self.q_lens), max(seq_lens), qsl)
-        self.positions = positions
-        self.input_ids = torch.zeros(positions.shape[0], dtype=torch.long)
+        per_seq = -(-max(q + c for q, c in zip(self.q_lens, self.ctx_lens)) // BLOCK_SIZE)
+        tables = torch.arange(len(self.q_lens) * per_seq).view(len(self.q_lens), per_seq)
+        self.meta = step_metadata(tables, self.q_lens, self.ctx_lens, BLOCK_SIZE)
+        self.positions = torch.cat([torch.arange(c, c + q) for q, c in zip(self.q_lens, self.ctx_lens)])
+        self.input_ids = torch.zeros(self.positions.shape[0], dtype=torch.long)
 
     @property
     def num_blocks(self) -> int:

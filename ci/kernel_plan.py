@@ -6,12 +6,13 @@ split into per layer and outside the layers (what decode graphs remove, and what
 from __future__ import annotations
 
 import gc
+import importlib
 from dataclasses import dataclass
 
 import torch
 
-from resin.ci.kernel_launches import (BLOCK_SIZE, LONG_DECODE, MAX_GRAPH_BATCH, MIXED, Batch, Launch, Recorder,
-                                      StepCount, recording_providers)
+from resin.ci.kernel_launches import (BLOCK_SIZE, LONG_DECODE, MAX_GRAPH_BATCH, MIXED, Launch, Recorder, StepCount,
+                                      recording_providers)
 from resin.ci.kernel_shapes import ATTENTION_SHAPES, MODEL_SHAPES, AttentionShape, ModelShape
 from resin.core.graph_runner import DecodeGraphs
 from resin.hal.attention import ATTENTION, ForwardContext
@@ -121,7 +122,7 @@ def record(vendor: str, fp8_dtype: torch.dtype,
     from resin.backends.triton import providers  # noqa: F401  (registers the "triton" providers)
     from resin.backends.triton.tuning import using
 
-    tuning = __import__(f"resin.backends.{vendor}.tuning", fromlist=["TUNING"]).TUNING
+    tuning = importlib.import_module(f"resin.backends.{vendor}.tuning").TUNING
     rec = Recorder()
     counts: list[DecodeLaunches] = []
     with torch.no_grad(), using(tuning), recording_providers(rec), rec.intercept():
@@ -141,5 +142,3 @@ def record(vendor: str, fp8_dtype: torch.dtype,
 def _first_gpu_dtype(shape: ModelShape) -> torch.dtype:
     return next(d for d in shape.dtypes if d != torch.float32)
 
-
-__all__ = ["Batch", "DecodeLaunches", "record"]

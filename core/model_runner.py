@@ -17,8 +17,10 @@ import torch
 from resin.core.graph_runner import DecodeGraphs
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
+from resin.core.provider_check import compare
 from resin.hal import ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext
-from resin.hal.registry import GraphUnsafeError, graph_phase, graph_substitutions, ops_without_graph_provider
+from resin.hal.registry import (DEFAULT_TOLERANCE, GraphUnsafeError, graph_phase, graph_substitutions,
+                                ops_without_graph_provider)
 
 log = logging.getLogger("resin.runner")
 
@@ -132,6 +134,30 @@ class ModelRunner:
                         type(decode_attn).__name__, type(self.attn).__name__)
             return None
         return decode_attn
+
+    @torch.inference_mode()
+    def graphs_match_eager(self) -> str | None:
+        """The start-up check of capture itself: replay a captured decode step (a bucket with a padding row) and
+        run the same step eagerly with the same providers; None when they agree, else how they differ. Uses the
+        pool's first blocks, which no request owns before serving starts."""
+        graphs = self.graphs
+        assert graphs is not None
+        bucket = graphs.buckets[min(2, len(graphs.buckets) - 1)]
+        n = max(1, bucket - 1)
+        ids = torch.arange(n)  # a different token per row, so rows mixed up by the replay would show
+        positions, seq_lens = torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.int32)
+        tables = torch.arange(n, dtype=torch.int32).view(n, 1)
+        slots = torch.arange(n) * self.block_size
+        replayed = graphs.run(ids, positions, seq_lens, tables, slots, max_seq_len=1).clone()
+        dev = self.device
+        graphs.attn.plan(AttentionMetadata(
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev), seq_lens=seq_lens.to(dev),
+            block_tables=tables.to(dev), slot_mapping=slots.to(dev), max_query_len=1, max_seq_len=1,
+            query_start_loc_host=torch.arange(n + 1, dtype=torch.int32)))
+        with graph_phase():
+            eager = self.model.forward(ids.to(dev), positions.to(dev), graphs.ctx)
+        diff, error, _ = compare(replayed, eager, DEFAULT_TOLERANCE)
+        return None if error is None else f"a replayed decode step differs from the same step run eagerly: {error}"
 
     def release(self, req: Request) -> None:
         self.block_tables.release(req)

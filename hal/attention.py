@@ -42,6 +42,21 @@ class AttentionMetadata:
         return self.seq_lens.shape[0]
 
 
+def step_metadata(block_tables: torch.Tensor, q_lens: list[int], ctx_lens: list[int], block_size: int,
+                  device: torch.device | None = None) -> AttentionMetadata:
+    """One step's metadata from each sequence's block table row, new tokens and cached context: for batches made
+    up outside the scheduler (the startup self-check, the cross-compile gate)."""
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    positions = torch.cat([torch.arange(c, c + q) for q, c in zip(q_lens, ctx_lens)])
+    seq_of = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    tables = block_tables[:, :-(-max(seq_lens) // block_size)].to(torch.int32)
+    slots = tables[seq_of, positions // block_size].long() * block_size + positions % block_size
+    return AttentionMetadata(qsl.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                             tables.to(device), slots.to(device), max(q_lens), max(seq_lens), qsl)
+
+
 class AttentionBackend:
     """Base of every attention provider. Each backend owns its KV cache layout (kv_cache_shape); the default is
     (2, num_blocks, block_size, num_kv_heads, head_size)."""

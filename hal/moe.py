@@ -58,5 +58,16 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
     return out.to(x.dtype)
 
 
+def _experts_in_use(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, activation: str = "silu") -> tuple[tuple, dict]:
+    """Self-check inputs from a real call: copies of only the experts it routes to, ids renumbered to match, so
+    the check holds a few experts' weights (not the layer's) and a provider that rewrites its weights in place
+    (aiter shuffles them) rewrites copies."""
+    used, ids = torch.unique(topk_ids.long(), return_inverse=True)
+    return (x.clone(), w13[used].clone(), w2[used].clone(), topk_weights.clone(), ids.to(topk_ids.dtype)), \
+        {"activation": activation}
+
+
 MOE_ROUTE = Op("moe_route", _moe_route)
-FUSED_MOE = Op("fused_moe", _fused_moe, native_graph_safe=False)  # loops over the experts present (host sync)
+FUSED_MOE = Op("fused_moe", _fused_moe, native_graph_safe=False,  # loops over the experts present (host sync)
+               check_inputs=_experts_in_use)

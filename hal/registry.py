@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from resin.hal.platform import Platform
@@ -31,29 +31,43 @@ class Provider:
     supported: SupportedFn = always
     supports_args: SupportsArgsFn | None = None
     graph_safe: bool = True  # may run inside graph capture: no host syncs, no data-dependent shapes
+    library: str | None = None  # the distribution its kernels come from (its version is shown by self-checks)
+
+
+# How far a provider may be from native in the startup self-check, per dtype: (rtol, atol) elementwise.
+DEFAULT_TOLERANCE = {"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)}
 
 
 class Op:
-    """A HAL op. Calling it runs the active backend's chain of providers for this op."""
+    """A HAL op. Calling it runs the active backend's chain of providers for this op.
 
-    def __init__(self, name: str, native: Callable[..., Any], doc: str = "", native_graph_safe: bool = True):
+    tolerance: how far a provider may be from native in the startup self-check (dtype name -> (rtol, atol));
+    check_inputs: turns a call recorded from the model into the inputs the self-check runs (default: the same
+    arguments, non-parameter tensors copied), for ops whose real inputs are too large to copy or that a provider
+    may rewrite in place."""
+
+    def __init__(self, name: str, native: Callable[..., Any], doc: str = "", native_graph_safe: bool = True,
+                 tolerance: dict[str, tuple[float, float]] | None = None,
+                 check_inputs: Callable[..., tuple[tuple, dict]] | None = None):
         self.name = name
         self.native = native
         self.__doc__ = doc or native.__doc__
         self.providers: dict[str, Provider] = {"native": Provider("native", native, graph_safe=native_graph_safe)}
+        self.tolerance = {**DEFAULT_TOLERANCE, **(tolerance or {})}
+        self.check_inputs = check_inputs
         _OPS[name] = self
 
     def register(self, name: str, supported: SupportedFn = always, supports_args: SupportsArgsFn | None = None,
-                 graph_safe: bool | None = None) -> Callable[[Callable], Callable]:
+                 graph_safe: bool | None = None, library: str | None = None) -> Callable[[Callable], Callable]:
         """Decorator used by backends: `@RMS_NORM.register("triton", supported=..., supports_args=...)`.
         graph_safe defaults to the provider's own `supports_graphs` (attention backends say it on the class),
-        else True."""
+        else True. library: the PyPI distribution of its kernels ("triton", "amd-aiter"), for version reports."""
         if name == "native":
             raise ValueError("'native' is the op's own definition and cannot be replaced")
 
         def deco(fn: Callable) -> Callable:
             safe = getattr(fn, "supports_graphs", True) if graph_safe is None else graph_safe
-            self.providers[name] = Provider(name, fn, supported, supports_args, safe)
+            self.providers[name] = Provider(name, fn, supported, supports_args, safe, library)
             return fn
         return deco
 
@@ -61,15 +75,18 @@ class Op:
         chain = _ACTIVE.get(self.name)
         if chain is None:
             return self.native(*args, **kwargs)
-        in_graph = _IN_GRAPH.get()
+        mode = _MODE.get()
+        if mode is not None and mode is not _GRAPH:
+            return mode(self, args, kwargs)  # an interceptor: the self-check recording the model's calls
+        in_graph = mode is _GRAPH
         for provider in chain:
             if in_graph and not provider.graph_safe:
                 continue
             if provider.supports_args is None or provider.supports_args(*args, **kwargs) is None:
                 return provider.fn(*args, **kwargs)
         if in_graph:
-            raise GraphUnsafeError(f"op {self.name}: no graph-safe provider takes this call (chain: "
-                                   f"{', '.join(p.name + ('' if p.graph_safe else ' [not graph-safe]') for p in chain)})")
+            names = ", ".join(p.name + ("" if p.graph_safe else " [not graph-safe]") for p in chain)
+            raise GraphUnsafeError(f"op {self.name}: no graph-safe provider takes this call (chain: {names})")
         raise AssertionError(f"op {self.name}: chain without native")  # native accepts everything
 
     def __repr__(self) -> str:
@@ -80,9 +97,11 @@ _OPS: dict[str, Op] = {}
 # The only global mutable state: the provider chain of every op for the selected backend.
 _ACTIVE: dict[str, tuple[Provider, ...]] = {}
 _TRACING: set[str] | None = None  # set only inside trace_ops()
-# True while a decode step is captured into (or replayed from) a graph: calls then skip providers that are not
-# graph-safe, so a provider that cannot be captured costs graphs for no phase: eager steps still use it.
-_IN_GRAPH: ContextVar[bool] = ContextVar("resin_in_graph", default=False)
+# How op calls are dispatched right now. None: the chain. _GRAPH while a decode step is captured into (or replayed
+# from) a graph: calls skip providers that are not graph-safe, so a provider that cannot be captured costs graphs
+# nothing (eager steps still use it). A callable (op, args, kwargs) intercepts every call (intercept_calls).
+_GRAPH = object()
+_MODE: ContextVar[Any] = ContextVar("resin_call_mode", default=None)
 
 
 class GraphUnsafeError(RuntimeError):
@@ -92,11 +111,28 @@ class GraphUnsafeError(RuntimeError):
 @contextmanager
 def graph_phase() -> Iterator[None]:
     """Op calls inside the block use the first graph-safe provider that takes them (decode-graph capture/replay)."""
-    token = _IN_GRAPH.set(True)
+    token = _MODE.set(_GRAPH)
     try:
         yield
     finally:
-        _IN_GRAPH.reset(token)
+        _MODE.reset(token)
+
+
+@contextmanager
+def intercept_calls(handler: Callable[["Op", tuple, dict], Any]) -> Iterator[None]:
+    """Every op call inside the block (with a backend active) goes to handler(op, args, kwargs) instead."""
+    token = _MODE.set(handler)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def drop_provider(op: str, provider: str) -> None:
+    """Take a provider out of an op's active chain for this run (the self-check does, for one that is wrong)."""
+    if provider == "native":
+        raise ValueError("native defines the op and cannot be dropped")
+    _ACTIVE[op] = tuple(p for p in _ACTIVE.get(op, ()) if p.name != provider)
 
 
 def derived(tensor: Any, key: Any, make: Callable[[], Any]) -> Any:
@@ -112,82 +148,6 @@ def all_ops() -> dict[str, Op]:
     return dict(_OPS)
 
 
-@dataclass
-class OpChoice:
-    """How one op was resolved: the chain in call order and why earlier providers were skipped."""
-    op: str
-    chain: list[Provider]
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    overridden: bool = False
-
-    @property
-    def chosen(self) -> str:
-        return self.chain[0].name
-
-    @property
-    def chosen_in_graphs(self) -> str | None:
-        """The provider captured decode steps use: the first graph-safe one (None: graphs cannot run this op)."""
-        return next((p.name for p in self.chain if p.graph_safe), None)
-
-
-class SelectionError(ValueError):
-    pass
-
-
-def parse_overrides(text: str | None) -> dict[str, str]:
-    """'attention=native,rms_norm=triton' -> {'attention': 'native', 'rms_norm': 'triton'}."""
-    out: dict[str, str] = {}
-    for item in (text or "").replace(";", ",").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if "=" not in item:
-            raise SelectionError(f"op override {item!r} is not OP=PROVIDER (e.g. --ops attention=native)")
-        op, provider = (s.strip() for s in item.split("=", 1))
-        out[op] = provider
-    return out
-
-
-def resolve(priorities: dict[str, list[str]], platform: Platform,
-            overrides: dict[str, str] | None = None) -> dict[str, OpChoice]:
-    """Filter each op's priority list by `supported(platform)`; `native` always closes the chain."""
-    overrides = dict(overrides or {})
-    unknown = sorted(set(overrides) - set(_OPS))
-    if unknown:
-        raise SelectionError(f"override names unknown op(s) {unknown}; ops are: {sorted(_OPS)}")
-    table: dict[str, OpChoice] = {}
-    for name, op in sorted(_OPS.items()):
-        order = [p for p in priorities.get(name, []) if p != "native"] + ["native"]
-        forced = overrides.get(name)
-        if forced is not None:
-            if forced not in op.providers:
-                raise SelectionError(f"--ops {name}={forced}: no provider {forced!r} for op {name!r}; "
-                                     f"registered: {sorted(op.providers)}")
-            ok, reason = op.providers[forced].supported(platform)
-            if not ok:
-                raise SelectionError(f"--ops {name}={forced}: provider {forced!r} is unavailable on "
-                                     f"{platform.kind}/{platform.arch}: {reason}")
-            order = [forced] + [p for p in order if p != forced]
-        choice = OpChoice(name, [], overridden=forced is not None)
-        for pname in order:
-            provider = op.providers.get(pname)
-            if provider is None:
-                choice.skipped.append((pname, "not registered (its module is not part of this backend)"))
-                continue
-            ok, reason = provider.supported(platform)
-            if ok:
-                choice.chain.append(provider)
-            else:
-                choice.skipped.append((pname, reason))
-        table[name] = choice
-    return table
-
-
-def activate(table: dict[str, OpChoice]) -> None:
-    """Install a resolved table as the active one (done once, at startup, by backend selection)."""
-    activate_chains({name: tuple(choice.chain) for name, choice in table.items()})
-
-
 def active_chains() -> dict[str, tuple[Provider, ...]]:
     """A copy of the active table (op -> provider chain), e.g. to wrap providers for profiling and restore."""
     return dict(_ACTIVE)
@@ -198,7 +158,7 @@ def activate_chains(chains: dict[str, tuple[Provider, ...]]) -> None:
     for name, chain in chains.items():
         if _TRACING is not None:
             chain = tuple(Provider(p.name, _recording(name, p.fn, _TRACING), p.supported, p.supports_args,
-                                   p.graph_safe) for p in chain)
+                                   p.graph_safe, p.library) for p in chain)
         _ACTIVE[name] = chain
 
 

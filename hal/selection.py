@@ -7,7 +7,84 @@ from dataclasses import dataclass, field
 
 from resin.hal.platform import (Platform, cpu_platform, detect_kind, gpu_platform, hypothetical_platform,
                                 torch_build_summary)
-from resin.hal.registry import OpChoice, SelectionError, activate, parse_overrides, resolve
+from resin.hal.registry import Provider, activate_chains, all_ops
+
+
+@dataclass
+class OpChoice:
+    """How one op was resolved: the chain in call order and why earlier providers were skipped."""
+    op: str
+    chain: list[Provider]
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    overridden: bool = False
+
+    @property
+    def chosen(self) -> str:
+        return self.chain[0].name
+
+    @property
+    def chosen_in_graphs(self) -> str | None:
+        """The provider captured decode steps use: the first graph-safe one (None: graphs cannot run this op)."""
+        return next((p.name for p in self.chain if p.graph_safe), None)
+
+
+class SelectionError(ValueError):
+    pass
+
+
+def parse_overrides(text: str | None) -> dict[str, str]:
+    """'attention=native,rms_norm=triton' -> {'attention': 'native', 'rms_norm': 'triton'}."""
+    out: dict[str, str] = {}
+    for item in (text or "").replace(";", ",").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" not in item:
+            raise SelectionError(f"op override {item!r} is not OP=PROVIDER (e.g. --ops attention=native)")
+        op, provider = (s.strip() for s in item.split("=", 1))
+        out[op] = provider
+    return out
+
+
+def resolve(priorities: dict[str, list[str]], platform: Platform,
+            overrides: dict[str, str] | None = None) -> dict[str, OpChoice]:
+    """Filter each op's priority list by `supported(platform)`; `native` always closes the chain."""
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(all_ops()))
+    if unknown:
+        raise SelectionError(f"override names unknown op(s) {unknown}; ops are: {sorted(all_ops())}")
+    table: dict[str, OpChoice] = {}
+    for name, op in sorted(all_ops().items()):
+        order = [p for p in priorities.get(name, []) if p != "native"] + ["native"]
+        forced = overrides.get(name)
+        if forced is not None:
+            if forced not in op.providers:
+                raise SelectionError(f"--ops {name}={forced}: no provider {forced!r} for op {name!r}; "
+                                     f"registered: {sorted(op.providers)}")
+            ok, reason = op.providers[forced].supported(platform)
+            if not ok:
+                raise SelectionError(f"--ops {name}={forced}: provider {forced!r} is unavailable on "
+                                     f"{platform.kind}/{platform.arch}: {reason}")
+            order = [forced] + [p for p in order if p != forced]
+        choice = OpChoice(name, [], overridden=forced is not None)
+        for pname in order:
+            provider = op.providers.get(pname)
+            if provider is None:
+                choice.skipped.append((pname, "not registered (its module is not part of this backend)"))
+                continue
+            ok, reason = provider.supported(platform)
+            if ok:
+                choice.chain.append(provider)
+            else:
+                choice.skipped.append((pname, reason))
+        table[name] = choice
+    return table
+
+
+def activate(table: dict[str, OpChoice]) -> None:
+    """Install a resolved table as the active one (done once, at startup, by backend selection)."""
+    activate_chains({name: tuple(choice.chain) for name, choice in table.items()})
+
 
 BACKENDS = ("cpu", "cuda", "rocm")
 
@@ -32,6 +109,12 @@ class Selection:
     backend: BackendSpec
     platform: Platform
     table: dict[str, OpChoice]
+
+    def drop(self, op: str, provider: str, reason: str) -> None:
+        """Record that a provider was taken out of an op's chain for this run (the self-check's verdict)."""
+        choice = self.table[op]
+        choice.chain = [p for p in choice.chain if p.name != provider]
+        choice.skipped.append((provider, reason))
 
     def format_table(self) -> str:
         rows = [("op", "provider", "why earlier providers were skipped")]

@@ -25,6 +25,9 @@ def _engine_flags(p: argparse.ArgumentParser, with_model: bool = True) -> None:
     p.add_argument("--ops", default=None, help="provider overrides, e.g. attention=native (also RESIN_OPS)")
     p.add_argument("--no-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA/HIP graphs (GPU backends)")
+    p.add_argument("--self-check", default="on", choices=["on", "strict", "off"],
+                   help="before serving, run every chosen provider against the native op on the model's shapes: "
+                        "on drops a provider that disagrees (logged), strict refuses to start, off skips")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -39,7 +42,8 @@ def _llm(args: argparse.Namespace):
     from resin.llm import LLM
 
     return LLM(args.model, backend=args.backend, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-               max_model_len=args.max_model_len, ops=args.ops, enable_graphs=not args.no_graphs)
+               max_model_len=args.max_model_len, ops=args.ops, enable_graphs=not args.no_graphs,
+               self_check=args.self_check)
 
 
 def _params(args: argparse.Namespace, **extra):
@@ -104,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs(model=args.model, backend=args.backend, dtype=args.dtype,
                              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             enable_graphs=not args.no_graphs,
+                             enable_graphs=not args.no_graphs, self_check=args.self_check,
                              enable_prefix_caching=not args.no_prefix_caching, ops=args.ops, seed=args.seed)
     return serve(engine_args, ServeArgs(host=args.host, port=args.port, api_key=args.api_key,
                                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
@@ -118,11 +122,28 @@ def cmd_backends(args: argparse.Namespace) -> int:
         unknown = sorted(libraries - set(OPTIONAL_LIBRARIES))
         if unknown:
             raise SystemExit(f"--libraries: unknown {unknown}; known: {', '.join(OPTIONAL_LIBRARIES)}")
-    sel = hal.describe_backend(args.backend, arch=args.arch, ops=args.ops, libraries=libraries)
+    report = None
+    if args.model is not None:
+        if args.arch is not None or libraries is not None:
+            raise ValueError("--model runs the self-check on this machine's hardware: drop --arch / --libraries")
+        from resin.engine_builder import EngineArgs, load_checked
+
+        checked = load_checked(EngineArgs(model=None if args.model == "builtin" else args.model,
+                                          backend=args.backend, dtype=args.dtype, ops=args.ops))
+        sel, report = checked.selection, checked.check
+    else:
+        sel = hal.describe_backend(args.backend, arch=args.arch, ops=args.ops, libraries=libraries)
     for key, value in sel.platform.describe():
         print(f"{key:>14}: {value}")
     print(f"{'backend':>14}: {sel.backend.name} ({sel.backend.note})\n")
     print(sel.format_table())
+    if report is not None:
+        print("\n" + report.summary())
+        for check in report.checks:
+            print(f"  {check.describe()}")
+    else:
+        print("\n(each chosen provider is checked against native at startup on the loaded model's shapes; "
+              "--model M, or --model builtin, runs that check now)")
     return 0
 
 
@@ -198,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="describe as if exactly these kernel libraries were installed (comma list of "
                         f"{', '.join(OPTIONAL_LIBRARIES)}; '' for none). Default: those importable here")
     p.add_argument("--ops", default=None, help="provider overrides, e.g. attention=native")
+    p.add_argument("--model", default=None, help="also run the startup self-check of every chosen provider "
+                                                 "against native on this model's shapes ('builtin' for the "
+                                                 "built-in model) and show what passed and what was dropped")
+    p.add_argument("--dtype", default="auto", help="with --model: the dtype to check in")
     p.set_defaults(func=cmd_backends)
 
     p = sub.add_parser("models", help="supported architectures and the HAL ops each uses",

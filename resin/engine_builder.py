@@ -12,8 +12,10 @@ import torch
 from resin.core.config import EngineConfig, default_kv_cache_bytes, parse_bytes
 from resin.core.engine import LLMEngine, LogitsObserver
 from resin.core.model_runner import kv_bytes_per_block
+from resin.core.provider_check import SelfCheckReport
+from resin.core.self_check import SelfCheckError, run_self_check
 from resin.hal import Selection, select_backend
-from resin.models.loader import load_model
+from resin.models.loader import LoadedModel, load_model
 from resin.tokenizer import eos_token_ids, load_tokenizer
 
 log = logging.getLogger("resin")
@@ -70,6 +72,7 @@ class EngineArgs:
     seed: int = 0
     ops: str | dict[str, str] | None = None
     enable_graphs: bool = True  # capture decode graphs where the platform has them (GPUs); --no-graphs
+    self_check: str = "on"  # every chosen provider against native before serving: on (drop failures), strict, off
 
 
 @dataclass
@@ -80,13 +83,36 @@ class BuiltEngine:
     architecture: str
     model_path: Path
     dtype: torch.dtype
+    self_check: SelfCheckReport | None = None
 
 
-def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None) -> BuiltEngine:
+@dataclass
+class CheckedModel:
+    """A loaded model on a selected backend whose providers passed (or were dropped by) the self-check."""
+    selection: Selection
+    dtype: torch.dtype
+    path: Path
+    loaded: LoadedModel
+    check: SelfCheckReport | None
+
+
+def load_checked(args: EngineArgs) -> CheckedModel:
+    """Select the backend, load the model, and check every provider it will call against native."""
     selection = select_backend(args.backend, args.ops)
     dtype = resolve_dtype(args.dtype, selection)
     path = Path(args.model).expanduser() if args.model is not None else builtin_model_path()
     loaded = load_model(path, dtype, selection.platform.device, selection.platform.fp8_dtype)
+    check = run_self_check(loaded.model, dtype, selection.platform.device, args.block_size, args.self_check)
+    for failed in check.failed if check else []:
+        selection.drop(failed.op, failed.provider, f"failed the self-check on {failed.call} "
+                                                   f"({failed.version}): {failed.error}")
+    return CheckedModel(selection, dtype, path, loaded, check)
+
+
+def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None) -> BuiltEngine:
+    checked = load_checked(args)
+    selection, dtype, path, loaded, check = (checked.selection, checked.dtype, checked.path, checked.loaded,
+                                             checked.check)
     tokenizer = load_tokenizer(path, loaded.gguf_file)
     gen_config_file = path / "generation_config.json" if path.is_dir() else None
     gen_config = json.loads(gen_config_file.read_text()) if gen_config_file and gen_config_file.exists() else {}
@@ -123,4 +149,11 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
              selection.backend.name, selection.platform.device_name, selection.platform.arch,
              str(dtype).removeprefix("torch."), num_blocks, args.block_size, num_blocks * args.block_size,
              num_blocks * per_block / (1 << 20))
-    return BuiltEngine(engine, selection, tokenizer, loaded.architecture, path, dtype)
+    if check is not None and engine.runner.graphs is not None:
+        mismatch = engine.runner.graphs_match_eager()
+        if mismatch:
+            if args.self_check == "strict":
+                raise SelfCheckError(f"decode graphs: {mismatch}; refusing to start (--self-check strict)")
+            log.warning("decode graphs off: %s", mismatch)
+            engine.runner.graphs = None
+    return BuiltEngine(engine, selection, tokenizer, loaded.architecture, path, dtype, check)

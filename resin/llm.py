@@ -19,8 +19,8 @@ class LLM:
                  kv_cache_memory: int | str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 256, enable_prefix_caching: bool = True, seed: int = 0,
                  logits_observer: LogitsObserver | None = None, **kwargs: Any):
-        """kwargs: further EngineArgs (max_num_batched_tokens, block_size, ops). logits_observer sees the
-        logits of every sampled row (the parity gate uses it)."""
+        """kwargs: further EngineArgs (max_num_batched_tokens, block_size, ops, enable_graphs, self_check).
+        logits_observer sees the logits of every sampled row (the parity gate uses it)."""
         args = EngineArgs(model=model, backend=backend, dtype=dtype, kv_cache_memory=kv_cache_memory,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                           enable_prefix_caching=enable_prefix_caching, seed=seed,
@@ -31,6 +31,7 @@ class LLM:
         self.selection = built.selection
         self.architecture = built.architecture
         self.dtype = built.dtype
+        self.self_check = built.self_check  # what the startup check ran and dropped (None when off)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -37,6 +37,7 @@ class Scorecard:
     top1_agreement: float = 0.0
     greedy_matches: int = 0
     mismatches: list[str] = field(default_factory=list)
+    self_check: str = ""  # the startup check of each chosen provider against native on this model's shapes
 
     @property
     def fp32(self) -> bool:
@@ -67,6 +68,7 @@ class Scorecard:
             + (f"  {ok(self.greedy_matches == self.prompts)}" if self.fp32 else "  (reported)"),
         ]
         lines += [f"    {m}" for m in self.mismatches]
+        lines += [f"  {line}" for line in self.self_check.splitlines()]
         lines.append(f"RESULT: {'PASS' if self.passed else 'FAIL'}")
         return "\n".join(lines)
 
@@ -114,7 +116,8 @@ def run_parity(model_or_arch: str, backend: str = "auto", dtype: str | None = "f
         outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True),
                             use_tqdm=False)
         card = Scorecard(model_or_arch, llm.architecture, llm.selection.backend.name,
-                         str(llm.dtype).removeprefix("torch."), len(ids), decode_steps)
+                         str(llm.dtype).removeprefix("torch."), len(ids), decode_steps,
+                         self_check=llm.self_check.summary() if llm.self_check else "self-check: off")
         agree = total = 0
         for i, (prompt, out) in enumerate(zip(ids, outs)):
             if out.error:

@@ -6,7 +6,8 @@ import torch
 
 from resin import hal
 from resin.hal.platform import cpu_platform, fp8_dtype_for_arch, hypothetical_platform
-from resin.hal.registry import SelectionError, activate, deactivate, resolve
+from resin.hal.registry import deactivate
+from resin.hal.selection import SelectionError, activate, resolve
 
 pytestmark = pytest.mark.unit
 

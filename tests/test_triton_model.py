@@ -45,6 +45,7 @@ def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops, a
     if arch == "Qwen3MoeForCausalLM":  # routing and experts run the triton MoE kernels too
         assert hal.MOE_ROUTE.providers["triton"] in hal.registry._ACTIVE["moe_route"]
     assert graphs.buckets == [1, 2, 4]
+    assert engine.runner.graphs_match_eager() is None  # the start-up check of capture itself
 
     rng = random.Random()
     prompts = [[rng.randrange(211) for _ in range(n)] for n in (3, 17, 9, 30, 1)]
@@ -130,3 +131,28 @@ def test_decode_graphs_stay_on_with_aiter_first_on_a_faked_gfx942(tmp_path, capl
             assert tokens[str(i)] == hf_greedy(hf, prompt, 5)
     finally:
         deactivate()
+
+
+def test_triton_providers_pass_the_startup_self_check(tmp_path, triton_ops):
+    from resin.core.self_check import run_self_check
+
+    save_tiny(tmp_path, "Qwen3MoeForCausalLM", seed=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              hidden_size=32)
+    loaded = load_model(tmp_path, torch.float32, KERNEL_DEVICE)
+    report = run_self_check(loaded.model, torch.float32, KERNEL_DEVICE, 16, "strict")
+    assert not report.failed
+    assert {c.op for c in report.checks if c.provider == "triton"} == {
+        "attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "moe_route", "fused_moe"}
+
+
+def test_a_replay_that_differs_from_eager_is_caught(tmp_path, triton_ops, monkeypatch):
+    save_tiny(tmp_path, "Qwen3ForCausalLM", seed=7, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              hidden_size=32)
+    loaded = load_model(tmp_path, torch.float32, KERNEL_DEVICE)
+    config = EngineConfig(max_model_len=64, max_num_seqs=4, graphs=True, max_graph_batch=4)
+    engine = LLMEngine(loaded.model, config, loaded.model.config.vocab_size, torch.float32, KERNEL_DEVICE,
+                       num_blocks=8)
+    graphs = engine.runner.graphs
+    replay = type(graphs).run
+    monkeypatch.setattr(type(graphs), "run", lambda self, *a, **k: replay(self, *a, **k).roll(1, 0))  # rows swapped
+    assert "differs from the same step run eagerly" in engine.runner.graphs_match_eager()

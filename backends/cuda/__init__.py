@@ -5,7 +5,8 @@ what their native definition calls.
 
 Attention: the Triton kernel first (graph-safe, every configuration); flashinfer and flash-attn, where installed,
 follow it in the chain (they serve what it declines, or everything with --ops attention=flashinfer): neither is
-graph-safe here, so with either first eager steps use it and captured decode steps the Triton kernel, and upstream flash-attn 2 pages KV only in multiples of 256 tokens (Resin's blocks are 16).
+graph-safe here, so with either first eager steps use it and captured decode steps the Triton kernel, and
+upstream flash-attn 2 pages KV only in multiples of 256 tokens (Resin's blocks are 16).
 """
 from resin.backends.cuda import graphs, scaled_mm
 from resin.backends.cuda.flash_attn_attention import FlashAttnAttention
@@ -33,10 +34,10 @@ def _library(name: str, pip: str):
 CAPTURE_GRAPH.register("torch_graphs", graphs.supported)(graphs.capture)
 FP8_LINEAR.register("scaled_mm", scaled_mm.supported, scaled_mm.supports_args)(scaled_mm.fp8_linear)
 # graph-safety comes from each class's supports_graphs (neither is)
-ATTENTION.register("flashinfer", _library("flashinfer", "flashinfer-python"), FlashInferAttention.unsupported_reason)(
-    FlashInferAttention)
-ATTENTION.register("flash_attn", _library("flash_attn", "flash-attn"), FlashAttnAttention.unsupported_reason)(
-    FlashAttnAttention)
+ATTENTION.register("flashinfer", _library("flashinfer", "flashinfer-python"), FlashInferAttention.unsupported_reason,
+                   library="flashinfer-python")(FlashInferAttention)
+ATTENTION.register("flash_attn", _library("flash_attn", "flash-attn"), FlashAttnAttention.unsupported_reason,
+                   library="flash-attn")(FlashAttnAttention)
 
 TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route", "fused_moe")
 

@@ -68,7 +68,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 # What torch._scaled_mm says when this torch/BLAS build does not take a scale layout or dtype combination
-# ("Invalid scaling configuration", "... RowWise scaling ...", "... only supported on ...", CUBLAS_STATUS_NOT_SUPPORTED).
+# ("Invalid scaling configuration", "... RowWise scaling ...", "... only supported on ...",
+# CUBLAS_STATUS_NOT_SUPPORTED).
 _REFUSAL = re.compile(r"scal|rowwise|not[ _]supported|only supported|not compiled", re.IGNORECASE)
 
 

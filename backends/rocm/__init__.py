@@ -21,14 +21,19 @@ from resin.hal.selection import BackendSpec
 
 # aiter's unified attention is not graph-safe (host max lengths): eager steps use it, captured decode steps the
 # Triton kernel behind it (hal.registry.graph_phase), so decode graphs stay on with aiter installed.
-ATTENTION.register("aiter", aiter.supported, aiter_attention.AiterUnifiedAttention.unsupported_reason)(
+A = aiter.DISTRIBUTION
+ATTENTION.register("aiter", aiter.supported, aiter_attention.AiterUnifiedAttention.unsupported_reason, library=A)(
     aiter_attention.AiterUnifiedAttention)
-RMS_NORM.register("aiter", aiter.supported, aiter_norm.supports_args)(aiter_norm.rms_norm)
-FUSED_ADD_RMS_NORM.register("aiter", aiter.supported, aiter_norm.supports_args)(aiter_norm.fused_add_rms_norm)
-ROTARY.register("aiter", aiter.supported, aiter_rotary.supports_args)(aiter_rotary.rotary)
-MOE_ROUTE.register("aiter", aiter.supported, aiter_moe.route_supports_args)(aiter_moe.moe_route)
-FUSED_MOE.register("aiter", aiter.supported, aiter_moe.fused_moe_supports_args)(aiter_moe.fused_moe)
-FP8_LINEAR.register("aiter", aiter.fp8_supported, aiter_gemm.supports_args)(aiter_gemm.fp8_linear)
+RMS_NORM.register("aiter", aiter.supported, aiter_norm.supports_args, library=A)(aiter_norm.rms_norm)
+FUSED_ADD_RMS_NORM.register("aiter", aiter.supported, aiter_norm.supports_args, library=A)(
+    aiter_norm.fused_add_rms_norm)
+ROTARY.register("aiter", aiter.supported, aiter_rotary.supports_args, library=A)(aiter_rotary.rotary)
+MOE_ROUTE.register("aiter", aiter.supported, aiter_moe.route_supports_args, library=A)(
+    aiter_moe.moe_route)
+FUSED_MOE.register("aiter", aiter.supported, aiter_moe.fused_moe_supports_args, library=A)(
+    aiter_moe.fused_moe)
+FP8_LINEAR.register("aiter", aiter.fp8_supported, aiter_gemm.supports_args, library=A)(
+    aiter_gemm.fp8_linear)
 FP8_LINEAR.register("scaled_mm", scaled_mm.supported, scaled_mm.supports_args)(scaled_mm.fp8_linear)
 CAPTURE_GRAPH.register("torch_graphs", graphs.supported)(graphs.capture)
 

@@ -52,13 +52,17 @@ def _lazy_reason(module: str, cls: str) -> Callable[..., str | None]:
     return reason
 
 
-RMS_NORM.register("triton", supported, _lazy("norm", "supports_args"))(_lazy("norm", "rms_norm"))
-FUSED_ADD_RMS_NORM.register("triton", supported, _lazy("norm", "supports_args"))(_lazy("norm", "fused_add_rms_norm"))
-ROTARY.register("triton", supported)(_lazy("rotary", "rotary"))
-SILU_AND_MUL.register("triton", supported)(_lazy("activation", "silu_and_mul"))
-GELU_AND_MUL.register("triton", supported)(_lazy("activation", "gelu_and_mul"))
-ATTENTION.register("triton", supported, _lazy_reason("attention", "TritonAttention"))(
+T = "triton"  # the provider's name and its kernels' distribution
+RMS_NORM.register(T, supported, _lazy("norm", "supports_args"), library=T)(_lazy("norm", "rms_norm"))
+FUSED_ADD_RMS_NORM.register(T, supported, _lazy("norm", "supports_args"), library=T)(
+    _lazy("norm", "fused_add_rms_norm"))
+ROTARY.register(T, supported, library=T)(_lazy("rotary", "rotary"))
+SILU_AND_MUL.register(T, supported, library=T)(_lazy("activation", "silu_and_mul"))
+GELU_AND_MUL.register(T, supported, library=T)(_lazy("activation", "gelu_and_mul"))
+# the attention class is imported lazily too, so its supports_graphs cannot be read here: it is graph-safe
+ATTENTION.register(T, supported, _lazy_reason("attention", "TritonAttention"), graph_safe=True, library=T)(
     _lazy("attention", "TritonAttention"))
-MOE_ROUTE.register("triton", supported, _lazy("moe", "route_supports_args"))(_lazy("moe", "moe_route"))
-FUSED_MOE.register("triton", supported, _lazy("moe", "fused_moe_supports_args"))(_lazy("moe", "fused_moe"))
-FP8_LINEAR.register("triton", fp8_supported, _lazy("fp8", "fp8_linear_supports_args"))(_lazy("fp8", "fp8_linear"))
+MOE_ROUTE.register(T, supported, _lazy("moe", "route_supports_args"), library=T)(_lazy("moe", "moe_route"))
+FUSED_MOE.register(T, supported, _lazy("moe", "fused_moe_supports_args"), library=T)(_lazy("moe", "fused_moe"))
+FP8_LINEAR.register(T, fp8_supported, _lazy("fp8", "fp8_linear_supports_args"), library=T)(
+    _lazy("fp8", "fp8_linear"))

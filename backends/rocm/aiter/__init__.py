@@ -18,6 +18,7 @@ from resin.hal.platform import Platform
 from resin.hal.registry import needs_fp8
 
 ARCHS = ("gfx942", "gfx950")  # CDNA3 / CDNA4, as vLLM gates aiter
+DISTRIBUTION = "amd-aiter"  # PyPI name (imports as aiter; PyPI's `aiter` is an unrelated package)
 
 
 def supported(platform: Platform) -> tuple[bool, str]:
@@ -33,7 +34,8 @@ def supported(platform: Platform) -> tuple[bool, str]:
 def _with_triton(platform: Platform) -> tuple[bool, str]:
     ok, why = supported(platform)
     if ok and "triton" not in platform.libraries:
-        return False, "activation quantisation uses the Triton kernel: triton is not importable (pip install 'resin[triton]')"
+        return False, ("activation quantisation uses the Triton kernel: triton is not importable "
+                       "(pip install 'resin[triton]')")
     return ok, why
 
 

@@ -1,0 +1,139 @@
+"""Trust, then verify: before serving, every provider the loaded model will call runs once against the op's native
+implementation on the device, on fresh random inputs shaped like the model's own calls.
+
+How: one forward of the model over a small ragged batch of random tokens runs with every op call intercepted; each
+call is recorded (the first few distinct shapes per op) and answered by native, so the recorded inputs are right
+even where a provider is not. Each recorded call then runs through the provider that would serve it and through
+native (core/provider_check.py). Attention is checked per distinct layer kind over three steps through a paged
+cache: a ragged prefill whose last block is partial (longer than the window where the window is short), decodes
+beside a prefill chunk and a new sequence, then decode only; so a provider wrong in a corner (the last block, one
+GQA group, a window edge) shows. A provider that disagrees or raises is dropped from its chain for this run, and
+the one behind it is checked in its place; `strict` refuses to start instead, `off` skips all of it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from resin.core.provider_check import Check, SelfCheckReport, check_call, compare, copy_inputs, version_of
+from resin.hal.attention import ATTENTION, AttentionLayer, ForwardContext, NativeAttention, step_metadata
+from resin.hal.registry import Op, active_chains, drop_provider, intercept_calls
+
+log = logging.getLogger("resin.self_check")
+
+MODES = ("on", "strict", "off")
+_SIGNATURES_PER_OP = 6  # distinct call shapes checked per op (a dense layer's linears + the head: 5)
+
+
+class SelfCheckError(RuntimeError):
+    """--self-check strict: a chosen provider disagreed with native (the message names it and by how much)."""
+
+
+def _record_calls(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, block_size: int,
+                  gen: torch.Generator) -> list[tuple[Op, tuple, dict]]:
+    calls: list[tuple[Op, tuple, dict]] = []
+    seen: dict[str, set[str]] = {}
+
+    def record(op: Op, args: tuple, kwargs: dict):
+        key = repr([(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+                    for a in (*args, *sorted(kwargs.items()))])
+        shapes = seen.setdefault(op.name, set())
+        if op.name != "capture_graph" and key not in shapes and len(shapes) < _SIGNATURES_PER_OP:
+            shapes.add(key)
+            calls.append((op, tuple(copy_inputs(a) for a in args), {k: copy_inputs(v) for k, v in kwargs.items()}))
+        return op.native(*args, **kwargs)
+
+    layers = model.attention_layers
+    attn = NativeAttention(layers, block_size, dtype, device)
+    caches = [torch.zeros(attn.kv_cache_shape(4, block_size, layer.num_kv_heads, layer.head_size),
+                          dtype=dtype, device=device) for layer in layers]
+    q_lens = [block_size + 5, 3]  # ragged: the first sequence ends in a partial block
+    meta = step_metadata(torch.arange(4).view(2, 2), q_lens, [0, 0], block_size, device)
+    ids = torch.randint(0, model.config.vocab_size, (sum(q_lens),), generator=gen).to(device)
+    positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
+    with intercept_calls(record):
+        attn.plan(meta)
+        hidden = model.forward(ids, positions, ForwardContext(attn, caches))
+        model.compute_logits(hidden[-2:])
+    return calls
+
+
+def _attention_steps(block_size: int, layer: AttentionLayer) -> list[tuple[list[int], list[int], list[int]]]:
+    """(rows of the block table, new tokens, cached tokens) per step, for three sequences."""
+    first = layer.sliding_window + 3 if layer.sliding_window and layer.sliding_window <= 256 else block_size + 5
+    return [([0, 1], [first, 3], [0, 0]),  # ragged prefill, the first ends in a partial block
+            ([0, 1, 2], [1, 4, 2], [first, 3, 0]),  # a decode beside a chunk and a new sequence
+            ([0, 1, 2], [1, 1, 1], [first + 1, 7, 2])]  # decode only
+
+
+def _attention_check(cls: type, layer: AttentionLayer, dtype: torch.dtype, device: torch.device, block_size: int,
+                     gen: torch.Generator) -> tuple[float, str | None, str]:
+    steps = _attention_steps(block_size, layer)
+    per_seq = -(-(steps[-1][1][0] + steps[-1][2][0]) // block_size)  # the first sequence is the longest
+    backends = [cls([layer], block_size, dtype, device), NativeAttention([layer], block_size, dtype, device)]
+    caches = [torch.zeros(b.kv_cache_shape(3 * per_seq, block_size, layer.num_kv_heads, layer.head_size),
+                          dtype=dtype, device=device) for b in backends]
+    tables = torch.arange(3 * per_seq).view(3, per_seq)
+    sinks = torch.randn(layer.num_heads, generator=gen).to(device) if layer.has_sinks else None
+    worst = 0.0
+    for rows, q_lens, ctx_lens in steps:
+        meta = step_metadata(tables[rows], q_lens, ctx_lens, block_size, device)
+        t = sum(q_lens)
+        q, k, v = (torch.randn(t, n * layer.head_size, generator=gen).to(device, dtype)
+                   for n in (layer.num_heads, layer.num_kv_heads, layer.num_kv_heads))
+        outs = []
+        for backend, cache in zip(backends, caches):
+            backend.plan(meta)
+            outs.append(backend.forward(0, q.clone(), k.clone(), v.clone(), cache, sinks))
+        diff, error, tolerance = compare(outs[0], outs[1], ATTENTION.tolerance)
+        worst = max(worst, diff)
+        if error is not None:
+            return worst, f"step with new tokens {q_lens} after {ctx_lens}: {error}", tolerance
+    return worst, None, tolerance
+
+
+def _check_attention(layers: list[AttentionLayer], dtype: torch.dtype, device: torch.device, block_size: int,
+                     gen: torch.Generator, report: SelfCheckReport) -> None:
+    for layer in dict.fromkeys(layers):  # each distinct layer kind once
+        while True:
+            provider = next(p for p in active_chains()["attention"] if p.supports_args is None
+                            or p.supports_args(layers, block_size, dtype, device) is None)
+            if provider.name == "native":
+                break
+            check = Check("attention", provider.name, f"{layer}", version=version_of(provider))
+            try:
+                check.max_diff, check.error, check.tolerance = _attention_check(
+                    provider.fn, layer, dtype, device, block_size, gen)
+            except Exception as e:  # raising on the model's own layer is failing
+                check.error = f"raised {type(e).__name__}: {str(e)[:200]}"
+            report.checks.append(check)
+            if check.passed:
+                break
+            drop_provider("attention", provider.name)
+
+
+def run_self_check(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, block_size: int,
+                   mode: str = "on") -> SelfCheckReport | None:
+    """Check every provider the model will call against native; drop the ones that fail (or raise, if strict)."""
+    if mode not in MODES:
+        raise ValueError(f"self_check={mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "off" or not active_chains():
+        return None
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))  # fresh inputs each run
+    report = SelfCheckReport()
+    with torch.inference_mode():
+        for op, args, kwargs in _record_calls(model, dtype, device, block_size, gen):
+            check_call(op, args, kwargs, report)
+        _check_attention(model.attention_layers, dtype, device, block_size, gen, report)
+    report.seconds = time.perf_counter() - start
+    if report.failed:
+        if mode == "strict":
+            raise SelfCheckError(f"{report.summary()}\nRefusing to start (--self-check strict); --self-check on "
+                                 f"would drop the providers above and serve with the ones behind them.")
+        log.warning("%s", report.summary())
+    else:
+        log.info("%s", report.summary())
+    return report
