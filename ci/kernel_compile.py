@@ -128,7 +128,8 @@ def _amd_metrics(kernel: Any, target: Target, num_warps: int) -> dict[str, int]:
     vgprs = int(total.group(1)) if total else _amd_field(asm, "vgpr_count")
     lds = max(kernel.metadata.shared, _amd_field(asm, "group_segment_fixed_size"))
     by_vgpr = 512 // max(8, -(-vgprs // 8) * 8)  # 512 VGPRs per SIMD lane (arch + acc), granule 8
-    by_lds = (target.smem_per_unit // lds) * num_warps // 4 if lds else 8  # 4 SIMDs per CU
+    groups = target.smem_per_unit // lds if lds else 8  # workgroups one CU's LDS holds
+    by_lds = max(1, groups * num_warps // 4) if groups else 0  # waves per SIMD, 4 SIMDs per CU
     return dict(registers=vgprs, spills=_amd_field(asm, "vgpr_spill_count") + _amd_field(asm, "sgpr_spill_count"),
                 shared=lds, occupancy=min(8, by_vgpr, by_lds))
 

@@ -12,9 +12,10 @@ from typing import Callable
 
 import torch
 
-from resin.hal.attention import AttentionBackend, AttentionMetadata, ForwardContext
+from resin.core.provider_check import compare
+from resin.hal.attention import AttentionBackend, AttentionMetadata, ForwardContext, step_metadata
 from resin.hal.graphs import CAPTURE_GRAPH, StepGraph
-from resin.hal.registry import graph_phase
+from resin.hal.registry import DEFAULT_TOLERANCE, graph_phase
 
 Forward = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
 
@@ -75,6 +76,33 @@ class DecodeGraphs:
             graph = CAPTURE_GRAPH(step, pool)
             pool = graph.pool()
             self.graphs[bs] = graph
+
+    @torch.inference_mode()
+    def replay_matches_eager(self, free_blocks: int) -> str | None:
+        """Capture checked at start-up: a few sequences get real context (prefilled eagerly into the first free
+        blocks), then one decode step is replayed from the graph of a bucket one larger than the batch (so a
+        padding row runs too) and the same padded step, from the same static buffers, runs eagerly with the same
+        providers. None when they agree, else how they differ."""
+        bs = self.block_size
+        bucket = self.buckets[min(2, len(self.buckets) - 1)]
+        per_seq = -(-(bs + 4) // bs)
+        n = max(1, min(bucket - 1, free_blocks // per_seq))
+        ctx_lens = [bs + 1 + i for i in range(n)]  # past a block boundary: paging and splits take part
+        tables = torch.arange(n * per_seq, dtype=torch.int32).view(n, per_seq)
+        dev = self.input_ids.device
+        positions = torch.cat([torch.arange(c) for c in ctx_lens])
+        with graph_phase():
+            self.attn.plan(step_metadata(tables, ctx_lens, [0] * n, bs, dev))
+            self.forward((positions % 7).to(dev), positions.to(dev), self.ctx)
+        step = torch.tensor(ctx_lens)
+        slots = tables[torch.arange(n), step // bs].long() * bs + step % bs
+        replayed = self.run(torch.arange(n), step, (step + 1).to(torch.int32), tables, slots,
+                            max(ctx_lens) + 1).clone()
+        with graph_phase():  # the plan run() made for the bucket still holds
+            eager = self.forward(self.input_ids[:self.bucket_for(n)], self.positions[:self.bucket_for(n)],
+                                 self.ctx)[:n]
+        _, error, _ = compare(replayed, eager, DEFAULT_TOLERANCE)
+        return None if error is None else f"a replayed decode step differs from the same step run eagerly: {error}"
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)

@@ -17,10 +17,8 @@ import torch
 from resin.core.graph_runner import DecodeGraphs
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
-from resin.core.provider_check import compare
 from resin.hal import ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext
-from resin.hal.registry import (DEFAULT_TOLERANCE, GraphUnsafeError, graph_phase, graph_substitutions,
-                                ops_without_graph_provider)
+from resin.hal.registry import GraphUnsafeError, graph_phase, graph_substitutions
 
 log = logging.getLogger("resin.runner")
 
@@ -79,7 +77,7 @@ class ModelRunner:
         """graph_batch > 0: capture decode graphs for batches up to that size. Captured steps use each op's first
         graph-safe provider, eager steps its first provider: one that cannot be captured costs graphs nothing."""
         self.model = model
-        self.block_size = block_size
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.device = device
         layers = model.attention_layers
         self.attn = ATTENTION(layers, block_size, dtype, device)
@@ -100,7 +98,10 @@ class ModelRunner:
                                        max_blocks, scratch_block=num_blocks, block_size=block_size, device=device)
             try:
                 self.graphs.capture()
-            except RuntimeError as e:  # a provider that syncs or reshapes inside capture: serve eagerly instead
+            except torch.OutOfMemoryError:
+                raise
+            except RuntimeError as e:  # an op no graph-safe provider takes, or one that syncs inside capture
+
                 log.warning("decode graphs off: capture failed (%s); decode steps run eagerly", e)
                 self.graphs = None
             else:
@@ -114,10 +115,6 @@ class ModelRunner:
                          device: torch.device) -> AttentionBackend | None:
         """The attention backend captured decode steps use: the eager one when it is graph-safe, else the first
         graph-safe provider that takes this configuration and reads the same cache layout (None: no graphs)."""
-        unsafe = ops_without_graph_provider()
-        if unsafe:
-            log.warning("decode graphs off: these ops have no graph-safe provider: %s", ", ".join(unsafe))
-            return None
         if self.attn.supports_graphs:
             return self.attn
         try:
@@ -135,29 +132,11 @@ class ModelRunner:
             return None
         return decode_attn
 
-    @torch.inference_mode()
     def graphs_match_eager(self) -> str | None:
-        """The start-up check of capture itself: replay a captured decode step (a bucket with a padding row) and
-        run the same step eagerly with the same providers; None when they agree, else how they differ. Uses the
-        pool's first blocks, which no request owns before serving starts."""
-        graphs = self.graphs
-        assert graphs is not None
-        bucket = graphs.buckets[min(2, len(graphs.buckets) - 1)]
-        n = max(1, bucket - 1)
-        ids = torch.arange(n)  # a different token per row, so rows mixed up by the replay would show
-        positions, seq_lens = torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.int32)
-        tables = torch.arange(n, dtype=torch.int32).view(n, 1)
-        slots = torch.arange(n) * self.block_size
-        replayed = graphs.run(ids, positions, seq_lens, tables, slots, max_seq_len=1).clone()
-        dev = self.device
-        graphs.attn.plan(AttentionMetadata(
-            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev), seq_lens=seq_lens.to(dev),
-            block_tables=tables.to(dev), slot_mapping=slots.to(dev), max_query_len=1, max_seq_len=1,
-            query_start_loc_host=torch.arange(n + 1, dtype=torch.int32)))
-        with graph_phase():
-            eager = self.model.forward(ids.to(dev), positions.to(dev), graphs.ctx)
-        diff, error, _ = compare(replayed, eager, DEFAULT_TOLERANCE)
-        return None if error is None else f"a replayed decode step differs from the same step run eagerly: {error}"
+        """The start-up check of capture itself (DecodeGraphs.replay_matches_eager) on the pool's first blocks,
+        which no request owns before serving starts."""
+        assert self.graphs is not None
+        return self.graphs.replay_matches_eager(self.num_blocks)
 
     def release(self, req: Request) -> None:
         self.block_tables.release(req)

@@ -1,11 +1,12 @@
-"""One provider against native on one call: the comparison, the record of it, and dropping a provider that fails.
-core/self_check.py decides which calls (the loaded model's own) and runs attention's two-step check.
+"""Providers against native: the comparison, the record of each check, and the loop that drops a provider that
+fails and checks the one behind it. core/self_check.py supplies the cases (the loaded model's own calls, and
+attention's paged steps per layer kind).
 """
 from __future__ import annotations
 
 import importlib.metadata
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -35,15 +36,18 @@ class Check:
 class SelfCheckReport:
     checks: list[Check] = field(default_factory=list)
     seconds: float = 0.0
+    seed: int = 0  # of the random inputs: a failure can be reproduced with it
 
     @property
     def failed(self) -> list[Check]:
         return [c for c in self.checks if not c.passed]
 
     def summary(self) -> str:
-        providers = sorted({f"{c.op}={c.provider}" for c in self.checks if c.passed})
+        dropped = {(c.op, c.provider) for c in self.failed}
+        providers = sorted({f"{c.op}={c.provider}" for c in self.checks if (c.op, c.provider) not in dropped})
         head = (f"self-check: {len(self.checks) - len(self.failed)} of {len(self.checks)} provider checks passed "
-                f"in {self.seconds * 1e3:.0f} ms ({', '.join(providers) or 'every op runs native'})")
+                f"in {self.seconds * 1e3:.0f} ms, inputs seeded {self.seed} "
+                f"({', '.join(providers) or 'every op runs native'})")
         return "\n".join([head] + [f"  DROPPED {c.describe()}" for c in self.failed])
 
 
@@ -80,7 +84,8 @@ def _leaves(value: Any) -> list[torch.Tensor]:
 
 
 def compare(got: Any, ref: Any, tolerance: dict[str, tuple[float, float]]) -> tuple[float, str | None, str]:
-    """(max |diff|, why it fails or None, the tolerance applied)."""
+    """(max |diff| over finite values, why it fails or None, the tolerance applied). NaN matches NaN and an
+    infinity the same infinity: a provider is judged on what native computes, overflow included."""
     worst, applied = 0.0, ""
     got_t, ref_t = _leaves(got), _leaves(ref)
     if len(got_t) != len(ref_t):
@@ -95,34 +100,59 @@ def compare(got: Any, ref: Any, tolerance: dict[str, tuple[float, float]]) -> tu
         rtol, atol = tolerance[str(r.dtype).removeprefix("torch.")]
         applied = f"rtol {rtol:g}, atol {atol:g}"
         g32, r32 = g.float(), r.float()
-        diff = (g32 - r32).abs()
-        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
-        bad = ~(diff <= atol + rtol * r32.abs())
+        finite = torch.isfinite(g32) & torch.isfinite(r32)
+        if bool(finite.any()):
+            worst = max(worst, float((g32 - r32).abs()[finite].max()))
+        bad = ~torch.isclose(g32, r32, rtol=rtol, atol=atol, equal_nan=True)
         if bool(bad.any()):
             return worst, f"max |diff| {worst:.3e} > tolerance ({applied}) at {int(bad.sum())} of {r.numel()}", applied
     return worst, None, applied
 
 
-def _serving(chain: tuple[Provider, ...], args: tuple, kwargs: dict) -> Provider:
-    return next(p for p in chain if p.supports_args is None or p.supports_args(*args, **kwargs) is None)
+def serving(op: str, accepts: Callable[[Provider], bool], in_graphs: bool) -> Provider | None:
+    """The provider that serves a call now: the first that accepts it (graph-safe ones only, in graphs)."""
+    return next((p for p in active_chains()[op] if (p.graph_safe or not in_graphs) and accepts(p)), None)
 
 
-def check_call(op: Op, args: tuple, kwargs: dict, report: SelfCheckReport) -> None:
-    """The provider serving this call against native; a failing one is dropped and the next one checked."""
-    while True:
-        provider = _serving(active_chains()[op.name], args, kwargs)
-        if provider.name == "native":
-            return
-        inputs = op.check_inputs(*args, **kwargs) if op.check_inputs else (
-            tuple(copy_inputs(a) for a in args), {k: copy_inputs(v) for k, v in kwargs.items()})
-        check = Check(op.name, provider.name, _shape(inputs[0]), version=version_of(provider))
-        reference = op.native(*(copy_inputs(a) for a in inputs[0]), **{k: copy_inputs(v) for k, v in inputs[1].items()})
-        try:
-            got = provider.fn(*inputs[0], **inputs[1])
-            check.max_diff, check.error, check.tolerance = compare(got, reference, op.tolerance)
-        except Exception as e:  # a provider that raises on the model's own call is as wrong as one that miscounts
-            check.error = f"raised {type(e).__name__}: {str(e)[:200]}"
-        report.checks.append(check)
-        if check.passed:
-            return
-        drop_provider(op.name, provider.name)
+def check_op(op: str, cases: list[Any], accepts: Callable[[Provider, Any], bool],
+             run: Callable[[Provider, Any], tuple[float, str | None, str]], describe: Callable[[Any], str],
+             report: SelfCheckReport) -> None:
+    """Check the provider serving each case, in eager steps and in captured ones, against native. A provider that
+    fails is dropped and every case is checked again through the chain as it is then, so the provider behind it
+    serves nothing it was not checked on."""
+    passed: set[tuple[str, int]] = set()
+    for in_graphs in (False, True):
+        pending = True
+        while pending:
+            pending = False
+            for i, case in enumerate(cases):
+                provider = serving(op, lambda p: accepts(p, case), in_graphs)
+                if provider is None or provider.name == "native" or (provider.name, i) in passed:
+                    continue
+                check = Check(op, provider.name, describe(case), version=version_of(provider))
+                try:
+                    check.max_diff, check.error, check.tolerance = run(provider, case)
+                except Exception as e:  # raising on the model's own call is as wrong as miscounting
+                    check.error = f"raised {type(e).__name__}: {str(e)[:200]}"
+                report.checks.append(check)
+                if check.passed:
+                    passed.add((provider.name, i))
+                    continue
+                drop_provider(op, provider.name)
+                pending = True
+                break
+
+
+def check_calls(op: Op, calls: list[tuple[tuple, dict]], report: SelfCheckReport) -> None:
+    """An op's recorded calls (inputs made by op.check_inputs where it has one) against native."""
+    cases = [op.check_inputs(*args, **kwargs) if op.check_inputs else (args, kwargs) for args, kwargs in calls]
+
+    def run(provider: Provider, case: tuple[tuple, dict]) -> tuple[float, str | None, str]:
+        args, kwargs = case
+        reference = op.native(*(copy_inputs(a) for a in args), **{k: copy_inputs(v) for k, v in kwargs.items()})
+        got = provider.fn(*(copy_inputs(a) for a in args), **{k: copy_inputs(v) for k, v in kwargs.items()})
+        return compare(got, reference, op.tolerance)
+
+    check_op(op.name, cases,
+             lambda p, case: p.supports_args is None or p.supports_args(*case[0], **case[1]) is None,
+             run, lambda case: _shape(case[0]), report)

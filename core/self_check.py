@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from resin.core.provider_check import Check, SelfCheckReport, check_call, compare, copy_inputs, version_of
+from resin.core.provider_check import SelfCheckReport, check_calls, check_op, compare, copy_inputs
 from resin.hal.attention import ATTENTION, AttentionLayer, ForwardContext, NativeAttention, step_metadata
-from resin.hal.registry import Op, active_chains, drop_provider, intercept_calls
+from resin.hal.registry import Op, active_chains, intercept_calls
 
 log = logging.getLogger("resin.self_check")
 
@@ -31,26 +31,33 @@ class SelfCheckError(RuntimeError):
     """--self-check strict: a chosen provider disagreed with native (the message names it and by how much)."""
 
 
+def _signature(args: tuple, kwargs: dict) -> str:
+    shape = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in (*args, *kwargs.values())]
+    return repr((shape, sorted(kwargs)))
+
+
 def _record_calls(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, block_size: int,
-                  gen: torch.Generator) -> list[tuple[Op, tuple, dict]]:
-    calls: list[tuple[Op, tuple, dict]] = []
+                  gen: torch.Generator) -> dict[Op, list[tuple[tuple, dict]]]:
+    """op -> its first few distinct calls in one forward of the model (inputs copied), every call answered by
+    native so that no provider under check shapes another's inputs."""
+    calls: dict[Op, list[tuple[tuple, dict]]] = {}
     seen: dict[str, set[str]] = {}
 
     def record(op: Op, args: tuple, kwargs: dict):
-        key = repr([(tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                    for a in (*args, *sorted(kwargs.items()))])
-        shapes = seen.setdefault(op.name, set())
+        key, shapes = _signature(args, kwargs), seen.setdefault(op.name, set())
         if op.name != "capture_graph" and key not in shapes and len(shapes) < _SIGNATURES_PER_OP:
             shapes.add(key)
-            calls.append((op, tuple(copy_inputs(a) for a in args), {k: copy_inputs(v) for k, v in kwargs.items()}))
+            calls.setdefault(op, []).append((tuple(copy_inputs(a) for a in args),
+                                             {k: copy_inputs(v) for k, v in kwargs.items()}))
         return op.native(*args, **kwargs)
 
     layers = model.attention_layers
     attn = NativeAttention(layers, block_size, dtype, device)
-    caches = [torch.zeros(attn.kv_cache_shape(4, block_size, layer.num_kv_heads, layer.head_size),
-                          dtype=dtype, device=device) for layer in layers]
     q_lens = [block_size + 5, 3]  # ragged: the first sequence ends in a partial block
-    meta = step_metadata(torch.arange(4).view(2, 2), q_lens, [0, 0], block_size, device)
+    per_seq = -(-q_lens[0] // block_size)
+    caches = [torch.zeros(attn.kv_cache_shape(2 * per_seq, block_size, layer.num_kv_heads, layer.head_size),
+                          dtype=dtype, device=device) for layer in layers]
+    meta = step_metadata(torch.arange(2 * per_seq).view(2, per_seq), q_lens, [0, 0], block_size, device)
     ids = torch.randint(0, model.config.vocab_size, (sum(q_lens),), generator=gen).to(device)
     positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
     with intercept_calls(record):
@@ -96,22 +103,10 @@ def _attention_check(cls: type, layer: AttentionLayer, dtype: torch.dtype, devic
 
 def _check_attention(layers: list[AttentionLayer], dtype: torch.dtype, device: torch.device, block_size: int,
                      gen: torch.Generator, report: SelfCheckReport) -> None:
-    for layer in dict.fromkeys(layers):  # each distinct layer kind once
-        while True:
-            provider = next(p for p in active_chains()["attention"] if p.supports_args is None
-                            or p.supports_args(layers, block_size, dtype, device) is None)
-            if provider.name == "native":
-                break
-            check = Check("attention", provider.name, f"{layer}", version=version_of(provider))
-            try:
-                check.max_diff, check.error, check.tolerance = _attention_check(
-                    provider.fn, layer, dtype, device, block_size, gen)
-            except Exception as e:  # raising on the model's own layer is failing
-                check.error = f"raised {type(e).__name__}: {str(e)[:200]}"
-            report.checks.append(check)
-            if check.passed:
-                break
-            drop_provider("attention", provider.name)
+    """The attention provider serving the model's layers, on each distinct layer kind."""
+    check_op("attention", list(dict.fromkeys(layers)),
+             lambda p, layer: p.supports_args is None or p.supports_args(layers, block_size, dtype, device) is None,
+             lambda p, layer: _attention_check(p.fn, layer, dtype, device, block_size, gen), str, report)
 
 
 def run_self_check(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, block_size: int,
@@ -122,11 +117,12 @@ def run_self_check(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     if mode == "off" or not active_chains():
         return None
     start = time.perf_counter()
-    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,))))  # fresh inputs each run
-    report = SelfCheckReport()
+    seed = int(torch.randint(0, 2**31 - 1, (1,)))  # fresh inputs each run; logged, so a failure can be replayed
+    gen = torch.Generator().manual_seed(seed)
+    report = SelfCheckReport(seed=seed)
     with torch.inference_mode():
-        for op, args, kwargs in _record_calls(model, dtype, device, block_size, gen):
-            check_call(op, args, kwargs, report)
+        for op, calls in _record_calls(model, dtype, device, block_size, gen).items():
+            check_calls(op, calls, report)
         _check_attention(model.attention_layers, dtype, device, block_size, gen, report)
     report.seconds = time.perf_counter() - start
     if report.failed:

@@ -68,6 +68,21 @@ def _experts_in_use(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         {"activation": activation}
 
 
-MOE_ROUTE = Op("moe_route", _moe_route)
+def _distinct_logits(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,
+                     num_expert_group: int | None = None, topk_group: int | None = None,
+                     correction_bias: torch.Tensor | None = None,
+                     routed_scaling_factor: float = 1.0) -> tuple[tuple, dict]:
+    """Self-check inputs from a real call: each token's logits a random permutation of distinct values (steps of
+    1/16, exact in bf16 up to 256 experts; fp32 beyond), so no tie lets a correct provider pick other experts
+    than native does."""
+    t, e = router_logits.shape
+    dtype = router_logits.dtype if e <= 256 else torch.float32
+    values = ((torch.arange(e, device=router_logits.device) - e // 2) / 16).to(dtype)
+    logits = values[torch.argsort(torch.rand(t, e, device=router_logits.device), dim=1)]
+    bias = correction_bias.clone() if correction_bias is not None else None
+    return (logits, top_k, scoring, renormalize, num_expert_group, topk_group, bias, routed_scaling_factor), {}
+
+
+MOE_ROUTE = Op("moe_route", _moe_route, check_inputs=_distinct_logits)
 FUSED_MOE = Op("fused_moe", _fused_moe, native_graph_safe=False,  # loops over the experts present (host sync)
                check_inputs=_experts_in_use)

@@ -172,13 +172,6 @@ def needs_fp8(supported: SupportedFn) -> SupportedFn:
     return check
 
 
-def ops_without_graph_provider() -> list[str]:
-    """Active ops with no graph-safe provider in their chain (with the providers' names): graphs cannot capture
-    a step that calls them."""
-    return [f"{name} ({', '.join(p.name for p in chain)})" for name, chain in sorted(_ACTIVE.items())
-            if chain and not any(p.graph_safe for p in chain)]
-
-
 def graph_substitutions() -> dict[str, tuple[str, str]]:
     """Active ops whose captured decode steps use another provider than eager steps: op -> (eager, in graphs)."""
     out = {}

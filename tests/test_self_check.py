@@ -90,7 +90,6 @@ def test_the_cpu_providers_pass(model_dir, dtype, attention):
     checked = {(c.op, c.provider) for c in report.checks}
     assert ("attention", attention) in checked
     assert {op for op, _ in checked} >= {"attention", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary"}
-    assert report.seconds < 5  # stated cost: the built-in model's is measured in the closing note
 
 
 def test_a_wrong_provider_is_dropped_and_the_run_equals_native(model_dir, wrong_providers, caplog):
@@ -133,3 +132,16 @@ def test_off_skips_it(model_dir, wrong_providers):
     assert llm.self_check is None and llm.selection.table["attention"].chosen == "wrong_gqa"
     with pytest.raises(ValueError, match="self_check='maybe'"):
         LLM(str(model_dir), dtype="float32", kv_cache_memory="8MiB", self_check="maybe")
+
+
+def test_small_blocks_and_non_finite_values(model_dir):
+    """Block size 4 (a prefill of block_size + 5 spans three blocks), and outputs equal to native's infinities and
+    NaNs count as agreeing: a provider is judged on what native computes."""
+    from resin.core.provider_check import compare
+
+    llm = LLM(str(model_dir), dtype="float32", kv_cache_memory="8MiB", block_size=4)
+    assert llm.self_check is not None and not llm.self_check.failed
+    x = torch.tensor([float("inf"), float("nan"), 1.0, -float("inf")])
+    tolerance = hal.RMS_NORM.tolerance
+    assert compare(x, x.clone(), tolerance)[1] is None
+    assert compare(x, torch.tensor([float("inf"), 0.0, 1.0, -float("inf")]), tolerance)[1] is not None

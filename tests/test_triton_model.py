@@ -15,6 +15,7 @@ from resin import SamplingParams, hal
 from resin.backends.triton import providers  # noqa: F401  (registers the "triton" providers)
 from resin.core.config import EngineConfig
 from resin.core.engine import LLMEngine
+from resin.core.self_check import run_self_check
 from resin.hal.registry import activate_chains, all_ops, deactivate
 from resin.models.loader import load_model
 
@@ -80,7 +81,7 @@ def test_graphs_stay_off_when_a_chosen_provider_cannot_be_captured(tmp_path, tri
         engine = LLMEngine(loaded.model, config, loaded.model.config.vocab_size, torch.float32, KERNEL_DEVICE,
                            num_blocks=8)
     assert engine.runner.graphs is None
-    assert "fused_moe (native)" in caplog.text
+    assert "op fused_moe: no graph-safe provider takes this call" in caplog.text
 
 
 class EagerOnlyAttention(hal.NativeAttention):
@@ -115,6 +116,9 @@ def test_decode_graphs_stay_on_with_aiter_first_on_a_faked_gfx942(tmp_path, capl
                                num_blocks=16)
         runner = engine.runner
         assert isinstance(runner.attn, EagerOnlyAttention) and runner.graphs is not None
+        # the self-check covers both: aiter's attention for eager steps, the Triton kernel for captured ones
+        report = run_self_check(loaded.model, torch.float32, KERNEL_DEVICE, 16, "strict")
+        assert {("attention", "aiter"), ("attention", "triton")} <= {(c.op, c.provider) for c in report.checks}
         assert type(runner.graphs.attn).__name__ == "TritonAttention"
         assert "attention: EagerOnlyAttention eagerly, TritonAttention in graphs" in caplog.text
         EagerOnlyAttention.forwards = 0
@@ -134,8 +138,6 @@ def test_decode_graphs_stay_on_with_aiter_first_on_a_faked_gfx942(tmp_path, capl
 
 
 def test_triton_providers_pass_the_startup_self_check(tmp_path, triton_ops):
-    from resin.core.self_check import run_self_check
-
     save_tiny(tmp_path, "Qwen3MoeForCausalLM", seed=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               hidden_size=32)
     loaded = load_model(tmp_path, torch.float32, KERNEL_DEVICE)

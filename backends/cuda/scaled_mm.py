@@ -70,7 +70,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 # What torch._scaled_mm says when this torch/BLAS build does not take a scale layout or dtype combination
 # ("Invalid scaling configuration", "... RowWise scaling ...", "... only supported on ...",
 # CUBLAS_STATUS_NOT_SUPPORTED).
-_REFUSAL = re.compile(r"scal|rowwise|not[ _]supported|only supported|not compiled", re.IGNORECASE)
+_REFUSAL = re.compile(r"scaling|scale_[ab]|rowwise|not[ _]supported|only supported|not compiled", re.IGNORECASE)
 
 
 def is_layout_refusal(error: RuntimeError) -> bool:
