@@ -145,3 +145,13 @@ def test_small_blocks_and_non_finite_values(model_dir):
     tolerance = hal.RMS_NORM.tolerance
     assert compare(x, x.clone(), tolerance)[1] is None
     assert compare(x, torch.tensor([float("inf"), 0.0, 1.0, -float("inf")]), tolerance)[1] is not None
+
+
+def test_backends_command_runs_the_check_on_a_model(model_dir, capsys):
+    from resin.cli import main
+
+    assert main(["backends", "--model", str(model_dir), "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "self-check:" in out and "provider checks passed" in out and "inputs seeded" in out
+    assert "attention: provider" in out and ": ok, max |diff|" in out
+    assert main(["backends"]) == 0 and "--model builtin" in capsys.readouterr().out
