@@ -59,7 +59,7 @@ class StepCount:
 
 
 # torch ops that launch nothing on a device: allocation and metadata
-_NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh", "_to_copy_noop"}
+_NO_KERNEL = {"empty", "empty_strided", "empty_like", "detach", "alias", "lift_fresh"}
 
 
 class Recorder(TorchDispatchMode):
@@ -111,10 +111,9 @@ class Recorder(TorchDispatchMode):
         finally:
             self.quiet -= 1
 
-    def device_op(self, count: int = 1) -> None:
-        """A stand-in for a GPU op that is not Triton (a cuBLAS GEMM): one kernel launch each."""
-        for _ in range(count):
-            self._tally("torch")
+    def device_op(self) -> None:
+        """A stand-in ran for a GPU op that is not Triton (a cuBLAS GEMM): count its kernel launch."""
+        self._tally("torch")
 
 
 # Ops whose native reference would read the weights or cost much: a zero tensor of the output's shape stands in.
