@@ -26,6 +26,7 @@ def _compiled_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
+@pytest.mark.timeout(1500)  # ~5 min on 2 idle cores: it compiles ~800 specialisations afresh
 def test_every_kernel_compiles_for_every_target(tmp_path):
     out = tmp_path / "kernels.json"
     proc = subprocess.run([sys.executable, "-m", "resin.ci", "kernels", "--json", str(out)], capture_output=True,
