@@ -98,9 +98,9 @@ class DecodeGraphs:
         slots = tables[torch.arange(n), step // bs].long() * bs + step % bs
         replayed = self.run(torch.arange(n), step, (step + 1).to(torch.int32), tables, slots,
                             max(ctx_lens) + 1).clone()
+        padded = self.bucket_for(n)
         with graph_phase():  # the plan run() made for the bucket still holds
-            eager = self.forward(self.input_ids[:self.bucket_for(n)], self.positions[:self.bucket_for(n)],
-                                 self.ctx)[:n]
+            eager = self.forward(self.input_ids[:padded], self.positions[:padded], self.ctx)[:n]
         _, error, _ = compare(replayed, eager, DEFAULT_TOLERANCE)
         return None if error is None else f"a replayed decode step differs from the same step run eagerly: {error}"
 

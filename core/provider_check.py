@@ -67,12 +67,17 @@ def _shape(value: Any) -> str:
     return repr(value)
 
 
-def copy_inputs(value: Any) -> Any:
+def _copy(value: Any) -> Any:
     if isinstance(value, torch.nn.Parameter):
         return value  # weights are read-only to providers (an op that rewrites them declares check_inputs)
     if isinstance(value, torch.Tensor):
         return value.clone()
     return value
+
+
+def copy_call(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A call's arguments with every non-parameter tensor copied, so no run sees another's in-place writes."""
+    return tuple(_copy(a) for a in args), {k: _copy(v) for k, v in kwargs.items()}
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
@@ -148,10 +153,10 @@ def check_calls(op: Op, calls: list[tuple[tuple, dict]], report: SelfCheckReport
     cases = [op.check_inputs(*args, **kwargs) if op.check_inputs else (args, kwargs) for args, kwargs in calls]
 
     def run(provider: Provider, case: tuple[tuple, dict]) -> tuple[float, str | None, str]:
-        args, kwargs = case
-        reference = op.native(*(copy_inputs(a) for a in args), **{k: copy_inputs(v) for k, v in kwargs.items()})
-        got = provider.fn(*(copy_inputs(a) for a in args), **{k: copy_inputs(v) for k, v in kwargs.items()})
-        return compare(got, reference, op.tolerance)
+        args, kwargs = copy_call(*case)
+        reference = op.native(*args, **kwargs)
+        args, kwargs = copy_call(*case)
+        return compare(provider.fn(*args, **kwargs), reference, op.tolerance)
 
     check_op(op.name, cases,
              lambda p, case: p.supports_args is None or p.supports_args(*case[0], **case[1]) is None,

@@ -3,8 +3,8 @@ implementation on the device, on fresh random inputs shaped like the model's own
 
 How: one forward of the model over a small ragged batch of random tokens runs with every op call intercepted; each
 call is recorded (the first few distinct shapes per op) and answered by native, so the recorded inputs are right
-even where a provider is not. Each recorded call then runs through the provider that would serve it and through
-native (core/provider_check.py). Attention is checked per distinct layer kind over three steps through a paged
+even where a provider is not. Each recorded call then runs through the provider that would serve it, in eager
+steps and (where it differs) in captured decode steps, and through native (core/provider_check.py). Attention is checked per distinct layer kind over three steps through a paged
 cache: a ragged prefill whose last block is partial (longer than the window where the window is short), decodes
 beside a prefill chunk and a new sequence, then decode only; so a provider wrong in a corner (the last block, one
 GQA group, a window edge) shows. A provider that disagrees or raises is dropped from its chain for this run, and
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from resin.core.provider_check import SelfCheckReport, check_calls, check_op, compare, copy_inputs
+from resin.core.provider_check import SelfCheckReport, check_calls, check_op, compare, copy_call
 from resin.hal.attention import ATTENTION, AttentionLayer, ForwardContext, NativeAttention, step_metadata
 from resin.hal.registry import Op, active_chains, intercept_calls
 
@@ -47,8 +47,7 @@ def _record_calls(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         key, shapes = _signature(args, kwargs), seen.setdefault(op.name, set())
         if op.name != "capture_graph" and key not in shapes and len(shapes) < _SIGNATURES_PER_OP:
             shapes.add(key)
-            calls.setdefault(op, []).append((tuple(copy_inputs(a) for a in args),
-                                             {k: copy_inputs(v) for k, v in kwargs.items()}))
+            calls.setdefault(op, []).append(copy_call(args, kwargs))
         return op.native(*args, **kwargs)
 
     layers = model.attention_layers

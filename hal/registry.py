@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 from resin.hal.platform import Platform
@@ -157,8 +157,7 @@ def activate_chains(chains: dict[str, tuple[Provider, ...]]) -> None:
     _ACTIVE.clear()
     for name, chain in chains.items():
         if _TRACING is not None:
-            chain = tuple(Provider(p.name, _recording(name, p.fn, _TRACING), p.supported, p.supports_args,
-                                   p.graph_safe, p.library) for p in chain)
+            chain = tuple(replace(p, fn=_recording(name, p.fn, _TRACING)) for p in chain)
         _ACTIVE[name] = chain
 
 
