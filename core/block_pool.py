@@ -32,8 +32,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
-        self._hash_of: dict[int, int] = {}  # block id -> content hash, for cached full blocks
-        self._block_of: dict[int, int] = {}  # content hash -> block id
+        self._hash_of: dict[int, bytes] = {}  # block id -> content key, for cached full blocks
+        self._block_of: dict[bytes, int] = {}  # content key -> block id
         self.stats = PrefixCacheStats()
 
     @property
@@ -77,11 +77,11 @@ class BlockPool:
             if self.ref_counts[block] == 0:
                 self._free[block] = None
 
-    def lookup(self, block_hash: int) -> int | None:
+    def lookup(self, block_hash: bytes) -> int | None:
         return self._block_of.get(block_hash)
 
-    def cache(self, block: int, block_hash: int) -> None:
-        """Record that `block` holds the full block whose chained content hash is `block_hash`."""
+    def cache(self, block: int, block_hash: bytes) -> None:
+        """Record that `block` holds the full block whose chained key (prefix_cache.block_hashes) is `block_hash`."""
         if not self.enable_caching or block in self._hash_of or block_hash in self._block_of:
             return
         self._hash_of[block] = block_hash

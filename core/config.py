@@ -30,9 +30,10 @@ class EngineConfig:
     seed: int = 0
     graphs: bool = False  # replay decode steps from graphs captured per batch bucket (GPU backends)
     max_graph_batch: int = 256  # larger decode batches run eagerly
+    max_logprobs: int = 20  # most top alternatives a request may ask for per position (vLLM's default too)
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 

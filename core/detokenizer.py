@@ -3,6 +3,10 @@
 Each step decodes a short window of recent ids twice (with and without the newest tokens) and emits the
 difference, so a character split over several byte-level tokens appears only once it is whole, and tokenizers
 that drop a word's leading space when decoding it alone still get it right.
+
+Text is kept as settled pieces plus a short pending tail (the characters a stop string could still claim), so a
+step costs O(new text), never O(text so far): a long generation is O(length) on the engine thread, and the
+engine can hand out just the new text (`take_delta`) instead of the whole string each step.
 """
 from __future__ import annotations
 
@@ -21,8 +25,11 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
         self.read_offset = len(self.ids)
-        self.text = ""
+        # Longest tail that could still become the start of a stop string: held back from streaming.
         self._held = max((len(s) for s in self.stop), default=1) - 1
+        self._settled: list[str] = []  # text no stop string can cut any more
+        self._pending = ""  # at most _held characters (plus one step's new text while it is checked)
+        self._taken = 0  # settled pieces already handed out by take_delta
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -37,27 +44,45 @@ class IncrementalDetokenizer:
             return None  # an incomplete character or a token that decodes to nothing yet
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        self.text += delta
-        return self._check_stop(len(delta)) if check_stop else None
+        self._pending += delta
+        hit = self._cut_at_stop(len(delta)) if check_stop else None
+        settle = len(self._pending) - self._held
+        if settle > 0:
+            self._settled.append(self._pending[:settle])
+            self._pending = self._pending[settle:]
+        return hit
 
-    def _check_stop(self, delta_len: int) -> str | None:
-        """Cut the text before the earliest stop string that the new text completed."""
+    def _cut_at_stop(self, delta_len: int) -> str | None:
+        """Cut the text before the earliest stop string that the new text completed. A match touches the new
+        text, so it starts at most _held characters before it: inside the pending tail, never in settled text."""
         best: tuple[int, str] | None = None
         for s in self.stop:
-            start = max(0, len(self.text) - delta_len - len(s) + 1)  # a match must touch the new text
-            idx = self.text.find(s, start)
+            start = max(0, len(self._pending) - delta_len - len(s) + 1)
+            idx = self._pending.find(s, start)
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
             return None
-        self.text = self.text[:best[0]]
+        self._pending = self._pending[:best[0]]
         return best[1]
 
-    def stable_text(self, finished: bool) -> str:
-        """Text safe to stream: while running, hold back a tail that could still grow into a stop string."""
-        if finished or not self._held:
-            return self.text
-        return self.text[:max(len(self.text) - self._held, 0)]
+    def finish(self) -> None:
+        """The sequence ended: the held tail can no longer become a stop string, so it settles."""
+        if self._pending:
+            self._settled.append(self._pending)
+            self._pending = ""
 
-    def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+    def take_delta(self) -> str:
+        """Settled text not handed out before (call finish() first at the end to include the tail)."""
+        new = self._settled[self._taken:]
+        self._taken = len(self._settled)
+        return "".join(new)
+
+    @property
+    def text(self) -> str:
+        """All text so far, held tail included (O(length): for final outputs and tests, not per step)."""
+        return "".join(self._settled) + self._pending
+
+    def stable_text(self, finished: bool) -> str:
+        """Text safe to stream: while running, without the tail that could still grow into a stop string."""
+        return self.text if finished else "".join(self._settled)

@@ -1,13 +1,14 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
 
-A request with n > 1 fans out into n sequences that share the prompt (the prefix cache makes that cheap);
-outputs are reported per request with one CompletionOutput per sequence.
+A request with n > 1 fans out into n sequences: the first computes the prompt, the others fork from it once
+it has (sharing its blocks through the prefix cache). Outputs are reported per request with one
+CompletionOutput per sequence, cumulative, as deltas, or only at the end (SamplingParams.output_kind).
 """
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -15,9 +16,11 @@ import torch
 from resin.core.config import EngineConfig
 from resin.core.detokenizer import IncrementalDetokenizer
 from resin.core.kv_cache_manager import KVCacheManager
-from resin.core.model_runner import CausalLM, ModelRunner
-from resin.core.outputs import CompletionOutput, RequestOutput
+from resin.core.contained import execute_contained, sample_contained
+from resin.core.model_runner import CausalLM, ModelRunner, RunnerOutput
+from resin.core.outputs import RequestOutput
 from resin.core.request import Request
+from resin.core.request_group import RequestGroup
 from resin.core.sampler import Sampler
 from resin.core.sampling_params import SamplingParams
 from resin.core.scheduler import Scheduler
@@ -26,6 +29,8 @@ from resin.core.step_outputs import logprobs_dict, prompt_logprobs_chunk
 log = logging.getLogger("resin")
 # Called with (sequences, logits) each step for the rows about to be sampled: the parity gate's window.
 LogitsObserver = Callable[[list[Request], torch.Tensor], None]
+# Prompt logprobs turn hidden states into full-vocabulary logits this many rows at a time (bounded memory).
+_PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass
@@ -35,17 +40,6 @@ class StepStats:
     num_tokens: int = 0
     num_sampled: int = 0
     num_preempted: int = 0
-
-
-@dataclass
-class _Group:
-    """One user request: its n sequences and their detokenisers."""
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    seqs: list[Request]
-    detoks: list[IncrementalDetokenizer | None]
-    arrival_time: float = field(default_factory=time.monotonic)
 
 
 class LLMEngine:
@@ -64,13 +58,15 @@ class LLMEngine:
                                   graph_batch=min(config.max_num_seqs, config.max_graph_batch) if config.graphs else 0)
         self.sampler = Sampler(vocab_size, torch.Generator(device=device).manual_seed(config.seed))
         self.logits_observer = logits_observer
-        self.groups: dict[str, _Group] = {}
+        self.groups: dict[str, RequestGroup] = {}
         self.capacity_tokens = num_blocks * config.block_size
         if config.max_model_len > self.capacity_tokens:  # else one long request could never finish
             raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache ({self.capacity_tokens} "
                              f"tokens): raise kv_cache_memory or lower max_model_len")
         self.last_step = StepStats()
         self.num_aborted = 0
+        self.num_failed = 0  # requests ended by an error inside a step
+        self._num_unforked = 0
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -81,13 +77,20 @@ class LLMEngine:
             raise ValueError(f"the prompt has {n} tokens but max_model_len is {self.config.max_model_len}: "
                              f"shorten the prompt or raise max_model_len (the model allows its "
                              f"max_position_embeddings)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
         if bad:
             raise ValueError(f"prompt token id(s) {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Validate without side effects; returns the effective max_tokens (clipped to the context left)."""
         self.validate_prompt(prompt_token_ids)
+        limit = min(self.config.max_logprobs, self.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"SamplingParams.{name}={value} is invalid: at most {limit} alternatives per "
+                                 f"position (max_logprobs={self.config.max_logprobs}, vocabulary "
+                                 f"{self.vocab_size}); ask for fewer")
         room = self.config.max_model_len - len(prompt_token_ids)
         return min(params.max_tokens or room, room)
 
@@ -109,9 +112,10 @@ class LLMEngine:
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                  params.stop_strings) if self.tokenizer is not None else None)
-        self.groups[request_id] = _Group(request_id, prompt, list(prompt_token_ids), seqs, detoks)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        group = RequestGroup(request_id, prompt, list(prompt_token_ids), seqs, detoks, unforked=seqs[1:])
+        self.groups[request_id] = group
+        self._num_unforked += len(group.unforked)
+        self.scheduler.add(seqs[0])
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its KV blocks are freed at once."""
@@ -119,11 +123,16 @@ class LLMEngine:
         if group is None:
             return None
         self.num_aborted += 1
+        self._end(group, "abort")
+        return group.output()
+
+    def _end(self, group: RequestGroup, reason: str) -> None:
+        self._num_unforked -= len(group.unforked)
+        group.unforked = []
         for seq in group.seqs:
             if not seq.finished:
-                seq.finish("abort")
-                self._release(seq)
-        return self._output(group)
+                seq.finish(reason)
+                self._release(seq, group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -137,43 +146,115 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Sequences waiting to run, n > 1 siblings not forked yet included (admission counts sequences)."""
+        return len(self.scheduler.waiting) + self._num_unforked
 
     # ---- stepping -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One scheduled forward, sampling and bookkeeping. A failure in the runner, the sampler or one
+        sequence's detokeniser ends only the requests it touched, with an error; the engine's state advances
+        only after a sequence's stages succeeded, so every other request continues exactly as it would have."""
         batch = self.scheduler.schedule()
         for seq in batch.preempted:
             self.runner.release(seq)
         self.last_step = StepStats(len(batch.requests), batch.total_tokens, 0, len(batch.preempted))
         if not batch.requests:
             return []
-        out = self.runner.execute(batch)
-        for seq, n in zip(batch.requests, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)  # before any finish frees them, so later requests can reuse them
-        for seq, start, logits in out.prompt_chunks:
-            seq.prompt_logprobs.extend(prompt_logprobs_chunk(
-                logits, seq.prompt_token_ids[start + 1:start + 1 + logits.shape[0]],
-                seq.params.prompt_logprobs, self._decoder()))
-        touched: dict[str, _Group] = {}
-        if out.sample_requests:
+        failed: dict[str, str] = {}  # group id -> error
+        out = execute_contained(self.runner, batch, failed)
+        rows, row_of = self._sample_rows(out, failed)
+        sampled = []
+        if rows:
+            logits = out.sample_logits
+            if row_of != list(range(logits.shape[0])):  # failed rows left out, or siblings drawing from a row
+                logits = logits[torch.tensor(row_of, device=logits.device)]
             if self.logits_observer is not None:
-                self.logits_observer(out.sample_requests, out.sample_logits)
-            sampled = self.sampler(out.sample_logits, out.sample_requests)
-            self.last_step.num_sampled = len(sampled.token_ids)
-            now = time.monotonic()
-            for seq, token, lp in zip(out.sample_requests, sampled.token_ids, sampled.logprobs):
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                self._append(seq, token, lp)
+                self.logits_observer(rows, logits)
+            sampled = sample_contained(self.sampler, logits, rows, failed)
+        for seq, n in zip(batch.requests, batch.num_new_tokens):
+            if seq.parent_id not in failed:
+                seq.num_computed_tokens += n
+                self.kv.cache_full_blocks(seq)  # before any finish frees them, so later requests can reuse them
+        for seq, start, hidden in out.prompt_chunks:
+            if seq.parent_id not in failed:
+                self._guard(seq, failed, self._add_prompt_logprobs, seq, start, hidden)
+        touched: dict[str, RequestGroup] = {}
+        now = time.monotonic()
+        for seq, (token, lp) in zip(rows, sampled):
+            if seq.parent_id in failed:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self._guard(seq, failed, self._append, seq, token, lp):
                 touched[seq.parent_id] = self.groups[seq.parent_id]
-        outputs = []
+        self.last_step.num_sampled = len(sampled)
         for group in touched.values():
-            output = self._output(group)
+            if group.unforked and group.request_id not in failed and group.seqs[0].num_output_tokens:
+                self._fork(group)
+        outputs = []
+        for rid, error in failed.items():
+            outputs.append(self._fail(self.groups[rid], error))
+        for group in touched.values():
+            if group.request_id in failed:
+                continue
+            output = group.output()
             if output.finished:
                 del self.groups[group.request_id]
-            outputs.append(output)
+            if output.outputs or output.finished:
+                outputs.append(output)
         return outputs
+
+    def _guard(self, seq: Request, failed: dict[str, str], fn: Callable, *args: Any) -> bool:
+        """Run one sequence's stage; an exception fails that sequence's request alone."""
+        try:
+            fn(*args)
+            return True
+        except Exception as e:  # noqa: BLE001 - contained: this request ends with the error, the rest go on
+            log.exception("request %s failed in %s", seq.parent_id, getattr(fn, "__name__", fn))
+            failed.setdefault(seq.parent_id, f"{type(e).__name__}: {e}")
+            return False
+
+    def _sample_rows(self, out: RunnerOutput, failed: dict[str, str]) -> tuple[list[Request], list[int]]:
+        """The sequences to sample and the logits row of each: the runner's rows, plus the n - 1 siblings of a
+        request whose prompt just finished, which draw their first token from sequence 0's row."""
+        rows, row_of = [], []
+        for i, seq in enumerate(out.sample_requests):
+            if seq.parent_id in failed:
+                continue
+            rows.append(seq)
+            row_of.append(i)
+            group = self.groups[seq.parent_id]
+            if seq.index == 0 and seq.num_output_tokens == 0 and group.unforked:
+                rows.extend(group.unforked)
+                row_of.extend([i] * len(group.unforked))
+        return rows, row_of
+
+    def _add_prompt_logprobs(self, seq: Request, start: int, hidden: torch.Tensor) -> None:
+        """Prompt logprobs from hidden states, a chunk of rows at a time: full-vocabulary logits for a whole
+        prefill chunk (max_num_batched_tokens x vocab in fp32) would be gigabytes."""
+        for i in range(0, hidden.shape[0], _PROMPT_LOGITS_ROWS):
+            logits = self.runner.compute_logits(hidden[i:i + _PROMPT_LOGITS_ROWS])
+            first = start + 1 + i
+            seq.prompt_logprobs.extend(prompt_logprobs_chunk(
+                logits, seq.prompt_token_ids[first:first + logits.shape[0]], seq.params.prompt_logprobs,
+                self._decoder()))
+
+    def _fork(self, group: RequestGroup) -> None:
+        """Sequence 0 has computed the prompt and every sibling drew its first token from the same logits: the
+        siblings now join the queue ahead of new requests and find the prompt's full blocks in the prefix cache
+        (only the last partial block is computed again), instead of all n computing the whole prompt at once."""
+        self._num_unforked -= len(group.unforked)
+        for seq in reversed(group.unforked):
+            if not seq.finished:
+                self.scheduler.add_front(seq)
+        group.unforked = []
+
+    def _fail(self, group: RequestGroup, error: str) -> RequestOutput:
+        self.num_failed += 1
+        group.error = error
+        self._end(group, "abort")
+        del self.groups[group.request_id]
+        return group.output()
 
     def _decoder(self) -> Callable[[int], str] | None:
         if self.tokenizer is None:
@@ -181,12 +262,14 @@ class LLMEngine:
         return lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
 
     def _append(self, seq: Request, token: int, lp: tuple | None) -> None:
-        seq.token_ids.append(token)
-        if lp is not None:
-            seq.logprobs.append(logprobs_dict(token, lp, self._decoder()))
-        detok = self.groups[seq.parent_id].detoks[seq.index]
+        """Everything that can fail runs before the token is recorded, so a failure leaves the sequence as it was."""
         params = seq.params
-        stop_str = detok.add(token, seq.num_output_tokens >= params.min_tokens) if detok is not None else None
+        logprobs = logprobs_dict(token, lp, self._decoder()) if lp is not None else None
+        detok = self.groups[seq.parent_id].detoks[seq.index]
+        stop_str = detok.add(token, seq.num_output_tokens + 1 >= params.min_tokens) if detok is not None else None
+        seq.token_ids.append(token)
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
         if stop_str is not None:
             seq.finish("stop", stop_str)
         elif not params.ignore_eos and token in seq.eos_token_ids:
@@ -196,25 +279,13 @@ class LLMEngine:
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             seq.finish("length")
         if seq.finished:
-            self._release(seq)
+            self._release(seq, self.groups[seq.parent_id])
 
-    def _release(self, seq: Request) -> None:
+    def _release(self, seq: Request, group: RequestGroup) -> None:
         self.scheduler.finish(seq)
         self.runner.release(seq)
-
-    def _output(self, group: _Group) -> RequestOutput:
-        completions = []
-        for i, (seq, detok) in enumerate(zip(group.seqs, group.detoks)):
-            completions.append(CompletionOutput(
-                index=i, text=detok.stable_text(seq.finished) if detok else "", token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=seq.logprobs))
-        first = group.seqs[0]
-        metrics = {"arrival_time": group.arrival_time, "num_cached_tokens": first.num_cached_tokens}
-        if first.first_token_time is not None:
-            metrics["first_token_time"] = first.first_token_time
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             prompt_logprobs=first.prompt_logprobs,
-                             finished=all(s.finished for s in group.seqs), metrics=metrics)
+        if group.detoks[seq.index] is not None:
+            group.detoks[seq.index].finish()
 
     # ---- facts ----------------------------------------------------------------------------------------------
     @property

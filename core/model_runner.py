@@ -66,9 +66,16 @@ class BlockTableBuffer:
 @dataclass
 class RunnerOutput:
     sample_requests: list[Request]
-    sample_logits: torch.Tensor  # (len(sample_requests), vocab)
-    # (request, first prompt position, logits predicting the prompt tokens after each position)
+    sample_logits: torch.Tensor | None  # (len(sample_requests), vocab); None when nothing is sampled
+    # (request, first prompt position, hidden states of the positions whose next prompt token wants a logprob):
+    # hidden, not logits, so the engine can turn them into logits a bounded number of rows at a time.
     prompt_chunks: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+
+    @staticmethod
+    def concat(parts: list["RunnerOutput"]) -> "RunnerOutput":
+        logits = [p.sample_logits for p in parts if p.sample_logits is not None]
+        return RunnerOutput([r for p in parts for r in p.sample_requests], torch.cat(logits) if logits else None,
+                            [c for p in parts for c in p.prompt_chunks])
 
 
 class ModelRunner:
@@ -174,24 +181,22 @@ class ModelRunner:
             hidden = self.model.forward(torch.tensor(flat).to(dev), positions.to(dev), self.ctx)
 
         sample_reqs, indices = [], []
-        prompt_spans: list[tuple[Request, int, int]] = []
+        out = RunnerOutput(sample_reqs, None)
         q0 = qsl.tolist()
         for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
             if r.wants_prompt_logprobs:
                 first = max(s, len(r.prompt_logprobs) - 1)  # the first position not reported yet
                 end = min(s + n, r.num_prompt_tokens - 1)
                 if end > first:
-                    prompt_spans.append((r, first, end - first))
-                    indices.extend(range(q0[i] + first - s, q0[i] + end - s))
-        num_prompt_rows = len(indices)
-        for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
+                    rows_t = torch.arange(q0[i] + first - s, q0[i] + end - s, device=dev)
+                    out.prompt_chunks.append((r, first, hidden[rows_t]))
             if s + n == r.num_tokens:
                 sample_reqs.append(r)
                 indices.append(q0[i + 1] - 1)
-        logits = self.model.compute_logits(hidden[torch.tensor(indices, device=dev)]) if indices else None
-        out = RunnerOutput(sample_reqs, logits[num_prompt_rows:] if logits is not None else None)
-        offset = 0
-        for r, s, n in prompt_spans:
-            out.prompt_chunks.append((r, s, logits[offset:offset + n]))
-            offset += n
+        if indices:
+            out.sample_logits = self.model.compute_logits(hidden[torch.tensor(indices, device=dev)])
         return out
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

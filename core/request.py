@@ -34,7 +34,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained sha256 keys of the full blocks
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     logprobs: list[PositionLogprobs] | None = None

@@ -4,6 +4,11 @@ Order: min_tokens masking, repetition/presence/frequency penalties, greedy argma
 min-p, then a draw. The draw is argmax(probs / Exp(1) noise), which samples from probs exactly; a seeded request
 draws its noise from its own torch.Generator, so its tokens do not depend on the rest of the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them.
+
+Non-finite scores never reach the argmax or the softmax (see _usable): a NaN logit (a broken model) is never chosen,
+a +inf one (from the model or an extreme repetition_penalty) wins outright, and a row with nothing left falls back
+to the model's own logits, then to any token min_tokens allows. Tokens masked by min_tokens are never chosen
+(unless a request forbids every token).
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from resin.core.request import Request
+
+_NEG_INF = float("-inf")
 
 
 @dataclass
@@ -50,18 +57,21 @@ class Sampler:
         raw_logprobs = None
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._mask_early_stops(logits, reqs)
-        logits = self._penalise(logits, reqs)
+        stops = self._early_stops(reqs, device)
+        masked = logits if stops is None else logits.index_put(stops, torch.tensor(_NEG_INF, device=device))
+        scores = _usable(self._penalise(masked, reqs), masked, stops)
 
-        temps = torch.tensor([p.temperature for p in params], device=device)
-        greedy = temps == 0
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            tokens = torch.where(greedy, tokens, self._draw(logits, temps, reqs))
+        greedy = [p.greedy for p in params]  # one rule for "greedy" (SamplingParams.greedy), here and everywhere
+        tokens = scores.argmax(dim=-1)
+        if not all(greedy):
+            temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
+            drawn = self._draw(scores, temps, reqs)
+            tokens = torch.where(torch.tensor(greedy, device=device), tokens, drawn)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, self._logprobs(raw_logprobs, tokens, params))
 
-    def _mask_early_stops(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _early_stops(self, reqs: list[Request], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, cols) of the stop tokens min_tokens forbids for now, or None."""
         rows, cols = [], []
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.params.min_tokens:
@@ -69,10 +79,9 @@ class Sampler:
                 stops = [t for t in stops if t < self.vocab_size]
                 rows += [i] * len(stops)
                 cols += stops
-        if rows:
-            logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)),
-                                      torch.tensor(float("-inf"), device=logits.device))
-        return logits
+        if not rows:
+            return None
+        return torch.tensor(rows, device=device), torch.tensor(cols, device=device)
 
     def _penalise(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         params = [r.params for r in reqs]
@@ -91,9 +100,14 @@ class Sampler:
                       - torch.tensor(pres, device=device).unsqueeze(1) * (counts > 0))
         return logits
 
-    def _draw(self, logits: torch.Tensor, temps: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _draw(self, scores: torch.Tensor, temps: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """A draw from each row's distribution; scores come from _usable, so every row has a finite maximum."""
         params = [r.params for r in reqs]
-        logits = logits / torch.where(temps == 0, torch.ones_like(temps), temps).unsqueeze(1)
+        # Shifted so each row's best token sits at 0 (softmax is shift-invariant): dividing by a small temperature
+        # then cannot overflow to +inf or push a whole row to -inf, and the clamp keeps a temperature beyond fp32
+        # (which would read as inf) from turning -inf / inf into NaN.
+        shifted = scores - scores.amax(dim=-1, keepdim=True)
+        logits = shifted / temps.clamp(max=torch.finfo(temps.dtype).max).unsqueeze(1)
         logits = apply_top_k_top_p_min_p(
             logits,
             [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
@@ -103,6 +117,9 @@ class Sampler:
         for i, r in enumerate(reqs):  # seeded rows draw from their own stream (a loop over seeded rows only)
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
+        # exponential_ can return exactly 0 on some backends (pytorch issue 22557), and 0 / 0 is a NaN the argmax
+        # would pick even for a token of probability 0; a tiny floor keeps those tokens at 0.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
 
     def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, params: list) -> list:
@@ -120,6 +137,41 @@ class Sampler:
             else:
                 out.append((chosen_list[i], ranks[i], top_ids[i][:p.logprobs], top_vals[i][:p.logprobs]))
         return out
+
+
+def _usable(scores: torch.Tensor, masked: torch.Tensor,
+            stops: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Scores argmax and softmax can take: every row finite or -inf, with at least one finite entry.
+
+    NaN (a score the model failed to give, or an overflow like -inf * 0) becomes -inf: never chosen. In a row
+    holding +inf, those tokens become 0 and the rest -inf, since +inf outweighs any finite score and softmax would
+    turn inf - inf into NaN. A row with nothing left takes the model's own logits (`masked`: min_tokens applied,
+    penalties not; repetition_penalty 1e38 can send every seen logit to -inf), and where those are dead too (a
+    model that gave only NaN / -inf), 0 for every token min_tokens allows. A row that forbids every token gets
+    them all back: some token must be emitted.
+    """
+    if bool(torch.isfinite(scores.amax(dim=-1)).all()):  # one pass: a row's max is NaN if it holds one, else +-inf
+        return scores
+    scores = _tame(scores)
+    scores = torch.where(_dead(scores), _tame(masked), scores)
+    allowed = torch.zeros_like(scores)
+    if stops is not None:
+        allowed = allowed.index_put(stops, torch.tensor(_NEG_INF, device=scores.device))
+        allowed = allowed.masked_fill(_dead(allowed), 0.0)
+    return torch.where(_dead(scores), allowed, scores)
+
+
+def _tame(scores: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf; in rows holding +inf, those tokens -> 0 and the rest -> -inf."""
+    scores = scores.masked_fill(scores.isnan(), _NEG_INF)
+    posinf = scores.isposinf()
+    only_posinf = torch.zeros_like(scores).masked_fill(~posinf, _NEG_INF)
+    return torch.where(posinf.any(dim=-1, keepdim=True), only_posinf, scores)
+
+
+def _dead(scores: torch.Tensor) -> torch.Tensor:
+    """(N, 1): rows that are all -inf."""
+    return scores.amax(dim=-1, keepdim=True) == _NEG_INF
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],

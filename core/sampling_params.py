@@ -1,7 +1,24 @@
 """SamplingParams: per-request generation settings, validated on construction."""
 from __future__ import annotations
 
+import enum
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# Temperatures below this sample greedily. Dividing by a tiny temperature overflows fp32 logits (1e-40 turns every
+# logit into +-inf and the softmax into NaN), and already at 1e-5 a logit gap of 1e-3 is a probability ratio of
+# e^-100: the draw is the argmax except between near-exact ties, so greedy is what such a request means.
+GREEDY_TEMPERATURE = 1e-5
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+class OutputKind(enum.Enum):
+    """What each RequestOutput of a request carries. DELTA and FINAL_ONLY keep every output O(new tokens), so a
+    consumer that falls behind holds O(length), not a fresh copy of the whole text per step."""
+    CUMULATIVE = "cumulative"  # everything so far, every step (simple; O(length) per step)
+    DELTA = "delta"  # only what is new since the last output (streaming)
+    FINAL_ONLY = "final_only"  # one output, when the request finishes
 
 
 @dataclass
@@ -9,7 +26,7 @@ class SamplingParams:
     n: int = 1
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
@@ -23,6 +40,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the chosen token is always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: OutputKind = OutputKind.CUMULATIVE
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -43,7 +61,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
@@ -57,6 +75,11 @@ class SamplingParams:
             raise bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        for name in _FLOAT_FIELDS:  # first: inf passes the open-ended range checks below (temperature >= 0, ...)
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise bad(name, f"must be a finite number, not inf or NaN (its default is "
+                                f"{self.__dataclass_fields__[name].default})")
         if not 0.0 <= self.temperature:
             raise bad("temperature", "must be >= 0 (0 means greedy)")
         if not 0.0 < self.top_p <= 1.0:

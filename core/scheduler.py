@@ -40,6 +40,10 @@ class Scheduler:
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
+    def add_front(self, req: Request) -> None:
+        """Queue ahead of new requests (forked siblings of a request already running)."""
+        self.waiting.appendleft(req)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

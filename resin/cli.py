@@ -110,8 +110,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_graphs=not args.no_graphs, self_check=args.self_check,
                              enable_prefix_caching=not args.no_prefix_caching, ops=args.ops, seed=args.seed)
+    if args.api_key is not None and not args.api_key.strip():
+        # An empty key would silently leave the server open: someone meant to protect it.
+        raise ValueError("the API key is empty (--api-key or $RESIN_API_KEY): set a real key, or unset it to serve "
+                         "without one")
     return serve(engine_args, ServeArgs(host=args.host, port=args.port, api_key=args.api_key,
                                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                                        max_n=args.max_n, stall_timeout=args.stream_stall_timeout,
+                                        max_request_bytes=args.max_request_bytes,
+                                        metrics_need_key=args.metrics_require_api_key,
                                         shutdown_timeout=args.shutdown_timeout))
 
 
@@ -186,7 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step")
-    p.add_argument("--max-waiting", type=int, default=1024, help="waiting-queue length past which requests get 429")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="sequences (n x prompts) queued past which requests get 429")
+    p.add_argument("--max-n", type=int, default=128, help="most choices (n) one request may ask for (OpenAI's limit)")
+    p.add_argument("--max-request-bytes", type=int, default=32 << 20, help="larger request bodies get 413")
+    p.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                   help="abort a stream whose client has not read for this many seconds while output waits")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="/metrics needs the API key too (default: open, as Prometheus scrapers expect)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -1,6 +1,7 @@
 """The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any, Iterator, Sequence
 
@@ -8,7 +9,7 @@ from tqdm.auto import tqdm
 
 from resin.core.engine import LogitsObserver
 from resin.core.outputs import CompletionOutput, RequestOutput
-from resin.core.sampling_params import SamplingParams
+from resin.core.sampling_params import OutputKind, SamplingParams
 from resin.engine_builder import EngineArgs, build_engine
 
 Prompt = str | list[int]
@@ -57,7 +58,9 @@ class LLM:
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
         results: dict[str, RequestOutput] = {}
         order = []
+        final_only: dict[int, SamplingParams] = {}  # only finished outputs are used: no per-step output building
         for prompt, p in zip(prompts, params_list):
+            p = final_only.setdefault(id(p), dataclasses.replace(p, output_kind=OutputKind.FINAL_ONLY))
             rid = str(next(self._ids))
             order.append(rid)
             text, ids = self._encode(prompt, _add_special_tokens)
@@ -80,7 +83,7 @@ class LLM:
                chat: bool = False) -> Iterator[str]:
         """Generate for one prompt, yielding text as it is produced. A conversation (a list of messages), or a
         string with chat=True (one user message), goes through the chat template."""
-        params = sampling_params or SamplingParams()
+        params = dataclasses.replace(sampling_params or SamplingParams(), output_kind=OutputKind.DELTA)
         if isinstance(prompt, str) and chat:
             prompt = [{"role": "user", "content": prompt}]
         if prompt and isinstance(prompt, list) and isinstance(prompt[0], dict):
@@ -88,15 +91,11 @@ class LLM:
         text, ids = self._encode(prompt, add_special_tokens=not chat)
         rid = f"stream-{next(self._ids)}"
         self.engine.add_request(rid, ids, params, prompt=text)
-        sent = 0
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.request_id == rid:
-                        new = out.outputs[0].text[sent:]
-                        sent += len(new)
-                        if new:
-                            yield new
+                    if out.request_id == rid and out.outputs and out.outputs[0].text:
+                        yield out.outputs[0].text
         finally:
             self.engine.abort_request(rid)  # no-op once finished; frees blocks if the consumer stopped early
 

@@ -19,12 +19,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None):
+    def __init__(self, *args: str, api_key: str | None = None, launcher: list[str] | None = None):
+        """launcher: what runs the CLI (default `python -m resin.cli`); a test may wrap it to inject a fault."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(prefix="resin-server-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "resin.cli", "run", *args, "--port", str(self.port)]
+        cmd = [*(launcher or [sys.executable, "-m", "resin.cli"]), "run", *args, "--port", str(self.port)]
         if api_key:
             cmd += ["--api-key", api_key]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,

@@ -1,7 +1,10 @@
 """Server behaviour around the requests: API keys, a full queue, graceful shutdown, the built-in model."""
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -30,7 +33,7 @@ def long_stream(srv, max_tokens=4000):
 
 def test_api_key(long_model):
     srv = ServerProcess(str(long_model), "--served-model-name", "m", "--kv-cache-memory", "32MiB",
-                        api_key="s3cret").wait_ready()
+                        "--metrics-require-api-key", api_key="s3cret").wait_ready()
     try:
         with pytest.raises(openai.AuthenticationError):
             srv.client(api_key="wrong").models.list()
@@ -38,8 +41,18 @@ def test_api_key(long_model):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert srv.client().completions.create(model="m", prompt=[1, 2], max_tokens=2).usage.completion_tokens == 2
         assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/metrics").status_code == 401  # the flag puts /metrics behind the key
+        metrics = httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer s3cret"})
+        assert metrics.status_code == 200 and "resin:request_success_total" in metrics.text
     finally:
         assert srv.stop() == 0
+
+
+def test_an_empty_api_key_is_refused(long_model):
+    """RESIN_API_KEY= (set but empty) must not silently serve without authentication."""
+    proc = subprocess.run([sys.executable, "-m", "resin.cli", "run", str(long_model)], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, RESIN_API_KEY=""))
+    assert proc.returncode != 0 and "API key is empty" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_full_waiting_queue_gives_429(long_model):
@@ -89,6 +102,16 @@ def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(long_model):
     t.start()
     assert started.wait(30)
     start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    # draining: the stream goes on, but load balancers are told to stop routing here
+    deadline = time.monotonic() + 5
+    health = None
+    while time.monotonic() < deadline and health != 503:
+        try:
+            health = httpx.get(srv.url + "/health", timeout=1).status_code
+        except httpx.HTTPError:
+            break  # already closed its listening socket: also "not here"
+    assert health == 503 and not result
     assert srv.stop(signal.SIGTERM, timeout=30) == 0
     t.join(30)
     assert time.monotonic() - start < 15

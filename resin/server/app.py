@@ -1,12 +1,14 @@
-"""The FastAPI application: routes, API-key check, and OpenAI-shaped errors."""
+"""The FastAPI application: routes, API-key check, request-size limit, and OpenAI-shaped errors."""
 from __future__ import annotations
 
 import hmac
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import resin
 from resin.server.errors import APIError, error_response
@@ -29,7 +31,48 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid value for {'.'.join(loc) or 'body'}: {err.get('msg')}", param
 
 
-def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+class BodyTooLarge(HTTPException):
+    """An HTTPException, because FastAPI turns any other exception raised while reading a body into a 400."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"the request body is larger than this server accepts ({limit} bytes, "
+                              f"--max-request-bytes)")
+
+
+class BodyLimit:
+    """Refuses bodies over `limit` bytes with 413: at once when Content-Length says so, else as soon as the
+    streamed body passes the limit, so an oversized body is never buffered, parsed or tokenised. A plain ASGI
+    middleware, not Starlette's BaseHTTPMiddleware, so handlers still see client disconnects."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"")
+        too_large = declared.isdigit() and int(declared) > self.limit
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            if too_large:
+                raise BodyTooLarge(self.limit)
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+def create_app(state: ServerState, api_key: str | None = None, max_request_bytes: int = 32 << 20,
+               metrics_need_key: bool = False) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not state.engine.alive:
@@ -48,16 +91,29 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
                 raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')")
 
     app = FastAPI(title="Resin", version=resin.__version__, lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    def refused(request: Request, status: int, message: str, param: str | None = None) -> Response:
+        # Errors after admission were counted by their request (499: client gone, 500: failed in the engine).
+        if request.url.path in GENERATION_ROUTES and status not in (499, 500):
+            state.metrics.outcome("rejected")
+        return error_response(status, message, param)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        return refused(request, 400, message, param)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return exc.response()
+        return refused(request, exc.status, exc.message, exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            return error_response(404, f"no route {request.method} {request.url.path}")
+        return refused(request, exc.status_code, str(exc.detail))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request):
@@ -78,20 +134,18 @@ def create_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     async def health():
         if not state.engine.alive:
             return error_response(503, "the engine is not running")
+        if state.shutting_down:  # load balancers stop routing here while in-flight requests finish
+            return error_response(503, "the server is shutting down")
         return Response(status_code=200)
 
     @app.get("/version")
     async def version():
         return {"version": resin.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(check_api_key)] if metrics_need_key else [])
     async def metrics():
         state.metrics.update_gauges(state.engine.engine)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc):
-        return error_response(404, f"no route {request.method} {request.url.path}")
 
     return app
 

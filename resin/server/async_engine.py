@@ -1,8 +1,13 @@
-"""AsyncEngine: the LLMEngine steps in a worker thread; asyncio handlers submit requests and await outputs.
+"""AsyncEngine: the LLMEngine steps in a worker thread; asyncio handlers submit requests and read their outputs.
 
 The event loop never runs a model forward. Requests and aborts reach the engine thread through a command queue;
-each step's outputs go back to the waiting handlers with `call_soon_threadsafe`, so SSE framing and client I/O
-happen on the event loop while the next step already runs. New requests join the running batch at the next step.
+each step's outputs go back to the event loop in one `call_soon_threadsafe`, so SSE framing and client I/O happen
+there while the next step already runs. New requests join the running batch at the next step.
+
+What a request may cost is bounded here: admission counts sequences (n x prompts) against `max_waiting`, so the
+queue between the threads holds at most that many; outputs arrive as deltas and a consumer that falls behind
+finds them merged, so what waits for it is O(its length); a consumer that has not read for `stall_timeout`
+seconds while outputs wait (a client that stopped reading) has its requests aborted and their KV freed.
 """
 from __future__ import annotations
 
@@ -10,43 +15,51 @@ import asyncio
 import logging
 import queue
 import threading
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from resin.core.engine import LLMEngine
 from resin.core.outputs import RequestOutput
 from resin.core.sampling_params import SamplingParams
+from resin.server.request_stream import RequestStream
 
 log = logging.getLogger("resin")
 
 
-class QueueFull(RuntimeError):
-    pass
+class StreamError(RuntimeError):
+    """Ends a request's stream; `status` is the HTTP status it maps to."""
+    status = 500
 
 
-class EngineDead(RuntimeError):
-    pass
+class QueueFull(StreamError):
+    status = 429
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class EngineDead(StreamError):
+    status = 503
+
+
+class RequestRejected(StreamError):
+    """The engine refused the request when it took it (its checks run before submit too, so this is rare)."""
+    status = 400
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting: int = 1024,
+    def __init__(self, engine: LLMEngine, max_waiting: int = 1024, stall_timeout: float = 30.0,
                  on_step: Callable[[LLMEngine], None] | None = None,
-                 on_change: Callable[[LLMEngine], None] | None = None):
+                 on_change: Callable[[LLMEngine], None] | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
+        self.stall_timeout = stall_timeout
         self.on_step = on_step  # after every step (metrics)
         self.on_change = on_change  # after aborts outside a step (gauges)
+        self.on_fatal = on_fatal  # the engine thread died: the server should end in-flight requests and exit
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._pending = 0  # submitted, not yet taken by the engine thread (changed from both threads)
-        self._pending_lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}  # engine request id -> stream; touched on the loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._submitted = 0  # sequences submitted, not yet taken by the engine thread (changed from both threads)
+        self._submitted_lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="resin-engine", daemon=True)
         self.error: BaseException | None = None
@@ -68,47 +81,55 @@ class AsyncEngine:
         """Abort every request now (shutdown past its grace period): each stream ends with finish_reason abort."""
         self._post(("abort_all",))
 
-    # ---- requests ---------------------------------------------------------------------------------------------
+    # ---- requests (event loop) --------------------------------------------------------------------------------
     @property
     def num_waiting(self) -> int:
-        return self.engine.num_waiting + self._pending
+        """Sequences waiting: in the engine's queue, or submitted and not yet taken by the engine thread."""
+        return self.engine.num_waiting + self._submitted
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as they are produced; leaving early (client gone) aborts it and frees its KV."""
+    def submit(self, base_id: str, prompts: list[tuple[str | None, list[int]]],
+               params: SamplingParams) -> RequestStream:
+        """Queue one engine request per prompt, all or none. Raises EngineDead or QueueFull before anything is
+        queued, so the caller can still answer with a real status."""
         if not self.alive:
             raise EngineDead("the engine is not running")
-        if self.num_waiting >= self.max_waiting:
-            raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests); retry later")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        if self.error is not None:  # died between the check above and the registration
-            self._streams.pop(request_id, None)
-            raise EngineDead("the engine is not running")
-        with self._pending_lock:
-            self._pending += 1
-        self._post(("add", request_id, prompt_ids, params, prompt))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._post(("abort", request_id))
+        seqs = len(prompts) * params.n
+        if self.num_waiting + seqs > self.max_waiting:
+            raise QueueFull(f"the waiting queue is full ({self.max_waiting} sequences); retry later")
+        self._loop = asyncio.get_running_loop()
+        stream = RequestStream(self, [f"{base_id}-{i}" for i in range(len(prompts))])
+        for rid in stream.request_ids:
+            self._streams[rid] = stream
+        with self._submitted_lock:
+            self._submitted += seqs
+        for rid, (text, ids) in zip(stream.request_ids, prompts):
+            self._post(("add", rid, ids, params, text))
+        return stream
+
+    def _streams_close(self, stream: RequestStream) -> None:
+        for rid in stream.request_ids:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
 
     def _post(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream._put(out)
+
+    def _dispatch_error(self, rid: str | None, error: BaseException) -> None:
+        streams = {id(s): s for s in self._streams.values()} if rid is None else \
+            ({0: self._streams[rid]} if rid in self._streams else {})
+        for stream in streams.values():
+            stream._fail(error)
+
+    def _to_loop(self, fn: Callable, *args) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(fn, *args)
 
     # ---- the engine thread ------------------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -122,23 +143,20 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 _, rid, ids, params, prompt = cmd
-                with self._pending_lock:
-                    self._pending -= 1
-                if rid not in self._streams:
-                    continue  # the client left before the engine saw the request
+                with self._submitted_lock:
+                    self._submitted -= params.n
                 try:
                     self.engine.add_request(rid, ids, params, prompt)
                 except ValueError as e:
-                    self._deliver(rid, e)
+                    self._to_loop(self._dispatch_error, rid, RequestRejected(str(e)))
             elif cmd[0] == "abort":
                 aborted = True
                 out = self.engine.abort_request(cmd[1])
                 if out is not None:
-                    self._deliver(cmd[1], out)
+                    self._to_loop(self._dispatch, [out])
             elif cmd[0] == "abort_all":
                 aborted = True
-                for out in self.engine.abort_all():
-                    self._deliver(out.request_id, out)
+                self._to_loop(self._dispatch, self.engine.abort_all())
 
     def _run(self) -> None:
         try:
@@ -148,13 +166,14 @@ class AsyncEngine:
                     outputs = self.engine.step()
                     if self.on_step is not None:
                         self.on_step(self.engine)
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
+                    if outputs:
+                        self._to_loop(self._dispatch, outputs)
                 else:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a crashed engine must fail every waiting request, not hang it
             log.exception("engine thread crashed")
             self.error = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDead(f"the engine failed: {e!r}"))
+            self._to_loop(self._dispatch_error, None, EngineDead(f"the engine failed: {e!r}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)

@@ -1,9 +1,16 @@
 """Logprobs in the two OpenAI shapes: the legacy completions one and the chat one."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from resin.core.outputs import PositionLogprobs
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf or NaN (Starlette refuses to encode them): an impossible token reports -9999.0, as vLLM's
+    server does."""
+    return logprob if math.isfinite(logprob) else -9999.0
 
 
 def _top(pos: PositionLogprobs, n: int) -> list[tuple[int, Any]]:
@@ -21,8 +28,8 @@ def completion_logprobs(token_ids: list[int], positions: list[PositionLogprobs |
             text, lp, top = "", None, None
         else:
             entry = pos[tok]
-            text, lp = entry.decoded_token or "", entry.logprob
-            top = {(e.decoded_token or ""): e.logprob for _, e in _top(pos, top_n)}
+            text, lp = entry.decoded_token or "", _finite(entry.logprob)
+            top = {(e.decoded_token or ""): _finite(e.logprob) for _, e in _top(pos, top_n)}
         tokens.append(text)
         token_lps.append(lp)
         tops.append(top)
@@ -37,8 +44,8 @@ def chat_logprobs(token_ids: list[int], positions: list[PositionLogprobs], top_n
         entry = pos[tok]
         text = entry.decoded_token or ""
         content.append({
-            "token": text, "logprob": entry.logprob, "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": e.decoded_token or "", "logprob": e.logprob,
+            "token": text, "logprob": _finite(entry.logprob), "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": e.decoded_token or "", "logprob": _finite(e.logprob),
                               "bytes": list((e.decoded_token or "").encode("utf-8"))} for _, e in _top(pos, top_n)],
         })
     return {"content": content}

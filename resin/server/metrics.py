@@ -38,14 +38,24 @@ class ServerMetrics:
         self.generation_tokens = lab(Counter("resin:generation_tokens", "Tokens generated.", labels, registry=r))
         self.preemptions = lab(Counter("resin:num_preemptions", "Sequences preempted (recomputed later).", labels,
                                        registry=r))
-        self.aborted = lab(Counter("resin:request_aborted", "Requests aborted (client gone or shutdown).", labels,
-                                   registry=r))
+        # Every user request ends in exactly one of these (the soak test checks that they add up to those sent).
         self.finished = lab(Counter("resin:request_success", "Requests finished normally.", labels, registry=r))
+        self.aborted = lab(Counter("resin:request_aborted", "Requests aborted (client gone or stalled, shutdown).",
+                                   labels, registry=r))
+        self.failed = lab(Counter("resin:request_failed", "Requests ended by an error inside the engine.", labels,
+                                  registry=r))
+        self.rejected = lab(Counter("resin:request_rejected", "Requests refused before running (4xx, 503).",
+                                    labels, registry=r))
+        self._outcomes = {"success": self.finished, "aborted": self.aborted, "failed": self.failed,
+                          "rejected": self.rejected}
         self.batch_size = lab(Histogram("resin:step_batch_size", "Sequences per engine step.", labels, registry=r,
                                         buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)))
         self.step_tokens = lab(Histogram("resin:step_num_tokens", "Tokens per engine step.", labels, registry=r,
                                          buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384)))
-        self._seen = (0, 0, 0)
+        self._seen = (0, 0)
+
+    def outcome(self, name: str) -> None:
+        self._outcomes[name].inc()
 
     def on_step(self, engine: LLMEngine) -> None:
         """Called by the engine thread after each step."""
@@ -60,11 +70,10 @@ class ServerMetrics:
     def on_change(self, engine: LLMEngine) -> None:
         """Counters read off the engine's totals, and gauges; called on the engine thread only."""
         stats = engine.prefix_cache_stats
-        queried, hits, aborted = self._seen
+        queried, hits = self._seen
         self.prefix_queries.inc(stats.queried_blocks - queried)
         self.prefix_hits.inc(stats.hit_blocks - hits)
-        self.aborted.inc(engine.num_aborted - aborted)
-        self._seen = (stats.queried_blocks, stats.hit_blocks, engine.num_aborted)
+        self._seen = (stats.queried_blocks, stats.hit_blocks)
         self.update_gauges(engine)
 
     def update_gauges(self, engine: LLMEngine) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from resin.core.sampling_params import SamplingParams
 
@@ -24,7 +24,9 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # allow_inf_nan=False: JSON Infinity / NaN in a float field is a 400, not a value for the sampler (subclasses
+    # inherit the config)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -60,6 +62,28 @@ class _Common(BaseModel):
     service_tier: Any = None
     store: Any = None
     metadata: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """JSON may spell a lone surrogate ("\\ud800"); Python keeps it, but no tokenizer or UTF-8 encoder takes it.
+        Refused here, for every string in the body, with the place it was found."""
+        stack = [("body", data)]
+        while stack:
+            where, value = stack.pop()
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ValueError(f"{where} contains a lone UTF-16 surrogate, which is not valid Unicode: "
+                                     f"send UTF-8 text") from None
+            elif isinstance(value, dict):
+                for k, v in value.items():
+                    k = str(k).encode("utf-8", "backslashreplace").decode()  # a bad key must not break the error
+                    stack.append((f"{where}.{k}" if where != "body" else k, v))
+            elif isinstance(value, list):
+                stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+        return data
 
     def unsupported_fields(self) -> list[str]:
         return [name for name in UNSUPPORTED if getattr(self, name, None) is not None

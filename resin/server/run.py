@@ -1,14 +1,16 @@
 """`resin run`: build the engine, start the engine thread, serve HTTP with uvicorn, shut down gracefully.
 
-On SIGINT/SIGTERM uvicorn stops accepting connections and waits for in-flight requests; if they are still
-running when the grace period ends, they are aborted, so every stream ends with a final chunk (finish_reason
-"abort") and [DONE] rather than a cut connection, and the process exits 0.
+On SIGINT/SIGTERM uvicorn stops accepting connections and waits for in-flight requests (/health answers 503
+meanwhile); if they are still running when the grace period ends, they are aborted, so every stream ends with a
+final chunk (finish_reason "abort") and [DONE] rather than a cut connection, and the process exits 0. If the
+engine thread dies, every in-flight request ends with an error and the process exits 1 for a supervisor.
 """
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -17,6 +19,7 @@ from resin.engine_builder import EngineArgs, build_engine
 from resin.server.app import create_app
 from resin.server.async_engine import AsyncEngine
 from resin.server.metrics import ServerMetrics
+from resin.server.prompts import PromptChecker
 from resin.server.serving_common import ServerState
 
 log = logging.getLogger("resin")
@@ -29,6 +32,10 @@ class ServeArgs:
     api_key: str | None = None
     served_model_name: str | None = None
     max_waiting: int = 1024
+    max_n: int = 128
+    stall_timeout: float = 30.0
+    max_request_bytes: int = 32 << 20
+    metrics_need_key: bool = False
     shutdown_timeout: float = 10.0
 
 
@@ -36,10 +43,14 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
     built = build_engine(engine_args)
     name = args.served_model_name or (str(engine_args.model) if engine_args.model else "SmolLM2-135M-Instruct")
     metrics = ServerMetrics(name)
-    engine = AsyncEngine(built.engine, max_waiting=args.max_waiting, on_step=metrics.on_step,
-                         on_change=metrics.on_change)
-    state = ServerState(engine, built.tokenizer, name, built.engine.config.max_model_len, metrics)
-    app = create_app(state, api_key=args.api_key)
+    engine = AsyncEngine(built.engine, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout,
+                         on_step=metrics.on_step, on_change=metrics.on_change)
+    max_len = built.engine.config.max_model_len
+    state = ServerState(engine, built.tokenizer, name, max_len, metrics,
+                        PromptChecker.for_tokenizer(built.tokenizer, max_len, built.engine.vocab_size),
+                        max_n=args.max_n)
+    app = create_app(state, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
+                     metrics_need_key=args.metrics_need_key)
     log.info("op table (%s backend):\n%s", built.selection.backend.name, built.selection.format_table())
     log.info("KV cache capacity: %d tokens", built.engine.capacity_tokens)
     log.info("serving %s at http://%s:%d/v1%s", name, args.host, args.port,
@@ -48,12 +59,22 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     server = _GracefulServer(config, state, args.shutdown_timeout)
+    engine.on_fatal = server.engine_died
     server.run()
+    if engine.error is not None:
+        log.error("exiting with status 1: the engine failed (%r); a supervisor should restart the server",
+                  engine.error)
+        return 1
     return 0
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose exit signal also starts the grace-period clock for in-flight requests."""
+    """uvicorn.Server that drains before it stops listening.
+
+    On the first SIGTERM/SIGINT the server keeps accepting connections while in-flight requests finish: /health
+    and new requests answer 503, so a load balancer sees the instance leave instead of finding a closed port.
+    Once the engine is idle (or the grace period ends and what is left is aborted), uvicorn's own shutdown runs.
+    """
 
     def __init__(self, config: uvicorn.Config, state: ServerState, grace: float):
         super().__init__(config)
@@ -65,9 +86,22 @@ class _GracefulServer(uvicorn.Server):
         if not self.state.shutting_down:
             self.state.shutting_down = True
             log.info("shutting down: finishing in-flight requests (up to %.0fs)", self.grace)
-            timer = threading.Timer(self.grace, self.state.engine.abort_all)
-            timer.daemon = True
-            timer.start()
-        if self.should_exit and sig == signal.SIGINT:
+            threading.Thread(target=self._drain, name="resin-drain", daemon=True).start()
+        elif sig == signal.SIGINT:
             self.force_exit = True  # a second Ctrl-C stops waiting
+            self.should_exit = True
+
+    def _drain(self) -> None:
+        engine = self.state.engine
+        deadline = time.monotonic() + self.grace
+        while engine.alive and (engine.engine.has_unfinished_requests() or engine.num_waiting) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if engine.engine.has_unfinished_requests():
+            engine.abort_all()  # every stream still open ends with finish_reason "abort" and [DONE]
+        self.should_exit = True
+
+    def engine_died(self, error: BaseException) -> None:
+        """Called on the engine thread after it failed every in-flight request: stop serving, exit non-zero."""
+        self.state.shutting_down = True
         self.should_exit = True

@@ -1,20 +1,22 @@
-"""What both OpenAI endpoints share: request checks, prompt admission, output streams, SSE, timing metrics."""
+"""What both OpenAI endpoints share: request checks, admission, collecting outputs, SSE, timing and outcomes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 
 from resin.core.outputs import RequestOutput
-from resin.core.sampling_params import SamplingParams
-from resin.server.async_engine import AsyncEngine, EngineDead, QueueFull
-from resin.server.errors import APIError, param_of_sampling_error
+from resin.core.sampling_params import OutputKind, SamplingParams
+from resin.server.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream, StreamError
+from resin.server.errors import APIError, error_body, param_of_sampling_error
 from resin.server.metrics import ServerMetrics
+from resin.server.prompts import PromptChecker
 from resin.server.protocol import _Common
 
 
@@ -25,6 +27,8 @@ class ServerState:
     model_name: str
     max_model_len: int
     metrics: ServerMetrics
+    prompts: PromptChecker
+    max_n: int = 128
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
 
@@ -34,52 +38,72 @@ def new_id(prefix: str) -> str:
 
 
 def check_common(state: ServerState, req: _Common) -> None:
+    """What needs no work at all: state, model name, unsupported fields, n."""
     if state.shutting_down:
         raise APIError(503, "the server is shutting down")
+    if not state.engine.alive:
+        raise APIError(503, "the engine is not running")
     if req.model is not None and req.model != state.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist; this server serves `{state.model_name}`.",
                        "model")
     bad = req.unsupported_fields()
     if bad:
         raise APIError(400, f"parameter(s) {', '.join(bad)} not supported by this server", bad[0])
+    if not 1 <= req.n <= state.max_n:
+        raise APIError(400, f"n={req.n} is invalid: this server allows 1 to {state.max_n} choices per request "
+                            f"(--max-n)", "n")
 
 
-def make_params(req: _Common, max_tokens: int | None, logprobs: int | None,
+def make_params(req: _Common, max_tokens: int | None, logprobs: int | None, stream: bool,
                 prompt_logprobs: int | None = None) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e), param_of_sampling_error(str(e))) from None
+    # Streams take deltas; a whole response is built once, from the final output.
+    return dataclasses.replace(params, output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
 
 
-def admit(state: ServerState, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None,
-          max_tokens_name: str) -> None:
-    """Reject what cannot run before any response starts: a full queue, context overflow (naming both numbers),
-    bad token ids."""
-    if state.engine.num_waiting >= state.engine.max_waiting:
-        raise APIError(429, f"the waiting queue is full ({state.engine.max_waiting} requests); retry later")
-    n = len(prompt_ids)
-    if max_tokens is not None and n + max_tokens > state.max_model_len:
-        raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
-                            f"requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in "
-                            f"{max_tokens_name}). Reduce the prompt or {max_tokens_name}.", max_tokens_name)
+def submit(state: ServerState, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+           max_tokens: int | None, max_tokens_name: str) -> RequestStream:
+    """Everything that can refuse a request, before any response starts (so each refusal has its real status):
+    context overflow (naming both numbers), the engine's own checks, the engine's state, a full queue."""
+    if len(prompts) * params.n > state.engine.max_waiting:
+        raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this server queues "
+                            f"({state.engine.max_waiting}); send fewer at a time", "n")
+    for _, ids in prompts:
+        n = len(ids)
+        if max_tokens is not None and n + max_tokens > state.max_model_len:
+            raise APIError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, "
+                                f"you requested {n + max_tokens} tokens ({n} in the prompt, {max_tokens} in "
+                                f"{max_tokens_name}). Reduce the prompt or {max_tokens_name}.", max_tokens_name)
+        try:
+            state.engine.engine.check_request(ids, params)
+        except ValueError as e:
+            message = str(e)
+            raise APIError(400, message, param_of_sampling_error(message) or "prompt") from None
     try:
-        state.engine.engine.check_request(prompt_ids, params)
-    except ValueError as e:
-        raise APIError(400, str(e), "prompt") from None
+        stream = state.engine.submit(base_id, prompts, params)
+    except QueueFull as e:
+        raise APIError(429, str(e)) from None
+    except EngineDead as e:
+        raise APIError(503, str(e)) from None
+    for _, ids in prompts:
+        state.metrics.prompt_tokens.inc(len(ids))
+    return stream
 
 
 class RequestTimer:
-    """TTFT, inter-token latency and end-to-end latency of one user request, into the histograms."""
+    """TTFT, inter-token latency and end-to-end latency of one user request into the histograms, and how it
+    ended into exactly one outcome counter."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
         self.start = self.last = time.monotonic()
         self.tokens = 0
+        self.outcome: str | None = None
 
-    def observe(self, outputs: list[RequestOutput]) -> None:
-        total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        new = total - self.tokens
+    def observe(self, new: int) -> None:
         if new <= 0:
             return
         now = time.monotonic()
@@ -88,84 +112,87 @@ class RequestTimer:
         else:
             for _ in range(new):
                 self.metrics.itl.observe((now - self.last) / new)
+        self.tokens, self.last = self.tokens + new, now
+
+    def observe_final(self, outputs: list[RequestOutput]) -> None:
+        """A whole (non-streamed) response: its first-token time comes from the engine, later tokens are spread
+        evenly over the rest of the time (they were never seen one by one here)."""
+        firsts = [o.metrics["first_token_time"] for o in outputs if "first_token_time" in o.metrics]
+        total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        if not firsts or total == 0:
+            return
+        first, now = min(firsts), time.monotonic()
+        self.metrics.ttft.observe(max(first - self.start, 0.0))
+        for _ in range(total - 1):
+            self.metrics.itl.observe((now - first) / (total - 1))
         self.tokens, self.last = total, now
 
-    def finish(self, outputs: list[RequestOutput]) -> None:
-        """Aborts are counted by the engine (every path: disconnect, shutdown); this counts the rest."""
-        self.metrics.e2e.observe(time.monotonic() - self.start)
-        if not any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
-            self.metrics.finished.inc()
+    def finish(self, outcome: str) -> None:
+        """outcome: success, aborted (client gone, stalled, shutdown) or failed (an engine error). Once."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self.metrics.e2e.observe(time.monotonic() - self.start)
+            self.metrics.outcome(outcome)
 
 
-async def merged_outputs(state: ServerState, base_id: str, prompts: list[tuple[str | None, list[int]]],
-                         params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Run every prompt as its own engine request and yield (prompt index, output) as they arrive. Leaving
-    early (client disconnect) cancels the producers, which aborts their requests and frees their blocks."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def produce(i: int, text: str | None, ids: list[int]) -> None:
-        try:
-            async for out in state.engine.generate(f"{base_id}-{i}", ids, params, text):
-                await queue.put((i, out))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which decides
-            await queue.put(e)
-        finally:
-            await queue.put(done)
-
-    for text, ids in prompts:
-        state.metrics.prompt_tokens.inc(len(ids))
-    tasks = [asyncio.create_task(produce(i, t, ids)) for i, (t, ids) in enumerate(prompts)]
-    remaining = len(tasks)
-    try:
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, QueueFull):
-                raise APIError(429, str(item))
-            elif isinstance(item, EngineDead):
-                raise APIError(503, str(item))
-            elif isinstance(item, ValueError):
-                raise APIError(400, str(item))
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+def outcome_of(outputs: list[RequestOutput]) -> str:
+    if any(o.error for o in outputs):
+        return "failed"
+    if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
+        return "aborted"
+    return "success"
 
 
-async def collect(raw: Request, outputs: AsyncIterator[tuple[int, RequestOutput]], count: int,
-                  timer: RequestTimer) -> list[RequestOutput]:
+def raise_for_error(out: RequestOutput) -> None:
+    if out.error is not None:
+        raise APIError(500, f"the request failed inside the engine ({out.error}); other requests are unaffected")
+
+
+async def collect(raw: Request, stream: RequestStream, count: int, timer: RequestTimer) -> list[RequestOutput]:
     """Final outputs for a non-streaming request, watching for the client leaving meanwhile."""
     final: list[RequestOutput | None] = [None] * count
 
     async def consume() -> None:
-        async for i, out in outputs:
-            final[i] = out
-            timer.observe([o for o in final if o is not None])
+        try:
+            async for i, out in stream:
+                final[i] = out
+                raise_for_error(out)
+        except StreamError as e:
+            raise APIError(e.status, str(e)) from None
 
     task = asyncio.create_task(consume())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await raw.is_disconnected():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            raise APIError(499, "client disconnected")
-    task.result()
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                timer.finish("aborted")
+                raise APIError(499, "client disconnected")
+        try:
+            task.result()
+        except APIError:
+            timer.finish("failed")
+            raise
+    finally:
+        stream.close()
     results = [o for o in final if o is not None]
-    timer.finish(results)
+    timer.observe_final(results)
+    timer.finish(outcome_of(results))
     return results
+
+
+def error_event(e: APIError | StreamError) -> str:
+    """A mid-stream error (the 200 and its headers went out long ago): typed by the status it would have had."""
+    if isinstance(e, StreamError):
+        return sse(error_body(e.status, str(e)))
+    return sse(error_body(e.status, e.message, e.param))
 
 
 def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def usage(prompt_lens: list[int], outputs: list[RequestOutput]) -> dict[str, int]:
+def usage(prompt_lens: list[int], completion_tokens: int) -> dict[str, int]:
     prompt = sum(prompt_lens)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}

@@ -1,0 +1,98 @@
+"""The engine thread and its consumers: a consumer that stops reading holds O(its length) and is aborted after
+the stall timeout; admission counts sequences."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import tracemalloc
+
+import pytest
+
+from resin import LLM, SamplingParams
+from resin.core.sampling_params import OutputKind
+from resin.server.async_engine import AsyncEngine, QueueFull
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def llm(text_model):
+    return LLM(str(text_model[0]), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=4)
+
+
+def _params(max_tokens: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(n=n, temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1,
+                          output_kind=OutputKind.DELTA)
+
+
+async def _until(cond, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+def test_a_stalled_stream_holds_o_length_and_reading_later_gets_it_all(llm):
+    async def main():
+        engine = AsyncEngine(llm.engine, stall_timeout=600)
+        engine.start()
+        retained = {}
+        try:
+            for length in (150, 600):
+                gc.collect()
+                tracemalloc.start()
+                base = tracemalloc.get_traced_memory()[0]
+                stream = engine.submit(f"r{length}", [(None, [1, 2, 3])], _params(length))
+                await _until(lambda: stream.done)
+                gc.collect()
+                retained[length] = tracemalloc.get_traced_memory()[0] - base
+                tracemalloc.stop()
+                outs = [out async for _, out in stream]  # the reader comes back: everything, merged once
+                stream.close()
+                assert len(outs) == 1 and len(outs[0].outputs[0].token_ids) == length
+                assert len(outs[0].outputs[0].logprobs) == length and outs[0].finished
+        finally:
+            engine.stop()
+        return retained
+
+    retained = asyncio.run(main())
+    # Linear in the length (4x the tokens: ~4x the bytes); cumulative outputs queued per step would be ~16x.
+    print("retained bytes", retained)
+    assert retained[600] < 6 * retained[150], retained
+
+
+def test_a_consumer_that_stops_reading_is_aborted_and_its_blocks_freed(llm):
+    async def main():
+        engine = AsyncEngine(llm.engine, stall_timeout=0.5)
+        engine.start()
+        try:
+            stream = engine.submit("stalled", [(None, [1, 2, 3])], _params(1500, n=2))
+            i, first = await stream.__anext__()  # reads once, then stops
+            start = time.monotonic()
+            await _until(lambda: stream.done)
+            stopped_after = time.monotonic() - start
+            rest = [out async for _, out in stream]
+            stream.close()
+        finally:
+            engine.stop()
+        return first, rest, stopped_after
+
+    first, rest, stopped_after = asyncio.run(main())
+    produced = len(first.outputs[0].token_ids) + sum(len(c.token_ids) for o in rest for c in o.outputs if c.index == 0)
+    assert stopped_after < 10 and produced < 1500
+    assert rest[-1].finished and {c.finish_reason for c in rest[-1].outputs} == {"abort"}
+    assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_blocks
+
+
+def test_admission_counts_sequences_not_requests(llm):
+    async def main():
+        engine = AsyncEngine(llm.engine, max_waiting=10)  # not started: nothing leaves the queue
+        engine._thread.is_alive = lambda: True  # noqa: admission only; the thread never runs here
+        a = engine.submit("a", [(None, [1, 2])], _params(4, n=6))
+        with pytest.raises(QueueFull):
+            engine.submit("b", [(None, [1, 2]), (None, [3])], _params(4, n=3))
+        engine.submit("c", [(None, [1, 2]), (None, [3])], _params(4, n=2))
+        assert engine.num_waiting == 10
+        a.close()
+    asyncio.run(main())
