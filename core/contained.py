@@ -1,8 +1,12 @@
 """A step's stages with failures contained: what fails takes down only the requests it belongs to.
 
 A failed forward over a batch is retried one sequence at a time (each rewrites its own KV slots with the same
-values), and a failed batch draw is redone row by row from the generator states it started with, so the rest of
-the batch gets exactly what a clean step would have given it. `failed` collects request id -> error.
+values), and a failed batch draw is redone row by row from the generator states it started with, so greedy and
+seeded rows get exactly what a clean step would have given them (unseeded rows draw fresh noise: equally valid).
+`failed` collects request id -> error.
+
+A fault of the device itself (a CUDA/HIP error that poisons the context) is not contained: every later step would
+fail the same way, so it is raised, the engine thread dies, and the server exits for its supervisor to restart it.
 """
 from __future__ import annotations
 
@@ -18,12 +22,23 @@ from resin.core.scheduler import ScheduledBatch
 log = logging.getLogger("resin")
 
 
+def device_healthy(device: torch.device) -> bool:
+    """Can the device still run a kernel and synchronise? After a sticky device error, nothing can."""
+    try:
+        torch.ones(1, device=device).add_(1).sum().item()
+        return True
+    except Exception:  # noqa: BLE001 - any failure here means the device is gone
+        return False
+
+
 def execute_contained(runner: ModelRunner, batch: ScheduledBatch, failed: dict[str, str]) -> RunnerOutput:
     """The forward; if it fails, each sequence runs alone (its KV slots are rewritten with the same values)
     so that only the sequences that fail on their own are lost."""
     try:
         return runner.execute(batch)
     except Exception as e:  # noqa: BLE001
+        if not device_healthy(runner.device):
+            raise
         if len(batch) == 1:
             log.exception("model step failed")
             failed.setdefault(batch.requests[0].parent_id, f"{type(e).__name__}: {e}")
@@ -45,6 +60,8 @@ def sample_contained(sampler: Sampler, logits: torch.Tensor, rows: list[Request]
         s = sampler(logits, rows)
         return list(zip(s.token_ids, s.logprobs))
     except Exception as e:  # noqa: BLE001
+        if not device_healthy(logits.device):
+            raise
         log.warning("sampling a batch of %d failed (%r): sampling each row alone", len(rows), e)
         for g, state in saved:
             g.set_state(state)

@@ -14,6 +14,10 @@ from typing import Any
 
 # Decoding starts this many tokens before the prompt's end, so the first output token gets its leading space.
 _CONTEXT_TOKENS = 5
+# A trailing U+FFFD is waited on as the start of a character whose other bytes come with the next tokens; one still
+# there after this many tokens (a character has at most 4 bytes) is invalid bytes and goes out as it is, else
+# every later step would decode a longer window.
+_MAX_WAIT_TOKENS = 16
 
 
 class IncrementalDetokenizer:
@@ -40,8 +44,13 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return None  # an incomplete character or a token that decodes to nothing yet
+        if full == prefix:  # decodes to nothing (a skipped special token): move on, or the window would grow
+            self.read_offset = len(self.ids)
+            self.prefix_offset = max(self.prefix_offset, self.read_offset - _CONTEXT_TOKENS)
+            return None
+        incomplete = full.endswith("\ufffd") and len(self.ids) - self.read_offset < _MAX_WAIT_TOKENS
+        if len(full) < len(prefix) or incomplete:
+            return None  # an incomplete character: wait for its other bytes
         delta = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self._pending += delta

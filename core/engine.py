@@ -1,8 +1,9 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
 
 A request with n > 1 fans out into n sequences: the first computes the prompt, the others fork from it once
-it has (sharing its blocks through the prefix cache). Outputs are reported per request with one
-CompletionOutput per sequence, cumulative, as deltas, or only at the end (SamplingParams.output_kind).
+it has and find its full blocks in the prefix cache (with prefix caching off, each recomputes the prompt).
+Outputs are reported per request with one CompletionOutput per sequence, cumulative, as deltas, or only at the
+end (SamplingParams.output_kind).
 """
 from __future__ import annotations
 
@@ -65,7 +66,6 @@ class LLMEngine:
                              f"tokens): raise kv_cache_memory or lower max_model_len")
         self.last_step = StepStats()
         self.num_aborted = 0
-        self.num_failed = 0  # requests ended by an error inside a step
         self._num_unforked = 0
 
     # ---- requests -------------------------------------------------------------------------------------------
@@ -187,7 +187,7 @@ class LLMEngine:
                 seq.first_token_time = now
             if self._guard(seq, failed, self._append, seq, token, lp):
                 touched[seq.parent_id] = self.groups[seq.parent_id]
-        self.last_step.num_sampled = len(sampled)
+                self.last_step.num_sampled += 1
         for group in touched.values():
             if group.unforked and group.request_id not in failed and group.seqs[0].num_output_tokens:
                 self._fork(group)
@@ -242,7 +242,9 @@ class LLMEngine:
     def _fork(self, group: RequestGroup) -> None:
         """Sequence 0 has computed the prompt and every sibling drew its first token from the same logits: the
         siblings now join the queue ahead of new requests and find the prompt's full blocks in the prefix cache
-        (only the last partial block is computed again), instead of all n computing the whole prompt at once."""
+        (only the last partial block is computed again), instead of all n computing the whole prompt at once.
+        The sharing goes through the cache, not a copy of the block table: with prefix caching off, or once those
+        blocks were evicted, a sibling recomputes the prompt (correct, only slower)."""
         self._num_unforked -= len(group.unforked)
         for seq in reversed(group.unforked):
             if not seq.finished:
@@ -250,7 +252,6 @@ class LLMEngine:
         group.unforked = []
 
     def _fail(self, group: RequestGroup, error: str) -> RequestOutput:
-        self.num_failed += 1
         group.error = error
         self._end(group, "abort")
         del self.groups[group.request_id]

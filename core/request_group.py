@@ -38,6 +38,8 @@ class RequestGroup:
         kind = self.seqs[0].params.output_kind
         finished = all(s.finished for s in self.seqs)
         first = self.seqs[0]
+        if kind is OutputKind.FINAL_ONLY and not finished:  # nothing to build: the engine does not report it
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [], finished=False)
         metrics = {"arrival_time": self.arrival_time, "num_cached_tokens": first.num_cached_tokens}
         if first.first_token_time is not None:
             metrics["first_token_time"] = first.first_token_time
@@ -52,8 +54,6 @@ class RequestGroup:
                 logprobs=None if seq.logprobs is None else list(seq.logprobs))
                 for i, (seq, detok) in enumerate(zip(self.seqs, self.detoks))]
             prompt_logprobs = first.prompt_logprobs
-            if kind is OutputKind.FINAL_ONLY and not finished:
-                completions = []
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
                              prompt_logprobs=prompt_logprobs, finished=finished, error=self.error,
                              metrics=metrics)

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 # logit into +-inf and the softmax into NaN), and already at 1e-5 a logit gap of 1e-3 is a probability ratio of
 # e^-100: the draw is the argmax except between near-exact ties, so greedy is what such a request means.
 GREEDY_TEMPERATURE = 1e-5
+# Stop conditions are checked for every token of every sequence on the engine thread: their number and length are
+# bounded (generously: OpenAI allows 4 stop strings) so that one request cannot make every step slow.
+MAX_STOP_STRINGS, MAX_STOP_LENGTH, MAX_STOP_TOKEN_IDS = 32, 256, 1024
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -65,7 +69,9 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {why}")
+            value = repr(getattr(self, name))
+            value = value if len(value) <= 80 else value[:60] + f"... ({len(value)} characters)"  # echoed to clients
+            return ValueError(f"SamplingParams.{name}={value} is invalid: {why}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
@@ -96,6 +102,14 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be an integer")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1] - (self.n - 1):
+            raise bad("seed", f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (each of the n sequences uses "
+                              f"seed + its index)")
+        if len(self._stop_list) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in self._stop_list
+                                                          if isinstance(s, str)):
+            raise bad("stop", f"allows at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"allows at most {MAX_STOP_TOKEN_IDS} ids")
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

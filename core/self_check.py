@@ -4,11 +4,12 @@ implementation on the device, on fresh random inputs shaped like the model's own
 How: one forward of the model over a small ragged batch of random tokens runs with every op call intercepted; each
 call is recorded (the first few distinct shapes per op) and answered by native, so the recorded inputs are right
 even where a provider is not. Each recorded call then runs through the provider that would serve it, in eager
-steps and (where it differs) in captured decode steps, and through native (core/provider_check.py). Attention is checked per distinct layer kind over three steps through a paged
-cache: a ragged prefill whose last block is partial (longer than the window where the window is short), decodes
-beside a prefill chunk and a new sequence, then decode only; so a provider wrong in a corner (the last block, one
-GQA group, a window edge) shows. A provider that disagrees or raises is dropped from its chain for this run, and
-the one behind it is checked in its place; `strict` refuses to start instead, `off` skips all of it.
+steps and (where it differs) in captured decode steps, and through native (core/provider_check.py). Attention is
+checked per distinct layer kind over three steps through a paged cache: a ragged prefill whose last block is
+partial (longer than the window where the window is short), decodes beside a prefill chunk and a new sequence,
+then decode only; so a provider wrong in a corner (the last block, one GQA group, a window edge) shows. A
+provider that disagrees or raises is dropped from its chain for this run, and the one behind it is checked in
+its place; `strict` refuses to start instead, `off` skips all of it.
 """
 from __future__ import annotations
 

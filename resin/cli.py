@@ -114,6 +114,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         # An empty key would silently leave the server open: someone meant to protect it.
         raise ValueError("the API key is empty (--api-key or $RESIN_API_KEY): set a real key, or unset it to serve "
                          "without one")
+    if args.metrics_require_api_key and args.api_key is None:
+        raise ValueError("--metrics-require-api-key needs an API key (--api-key or $RESIN_API_KEY)")
     return serve(engine_args, ServeArgs(host=args.host, port=args.port, api_key=args.api_key,
                                         served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                                         max_n=args.max_n, stall_timeout=args.stream_stall_timeout,

@@ -94,8 +94,11 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    if out.request_id == rid and out.outputs and out.outputs[0].text:
-                        yield out.outputs[0].text
+                    if out.request_id != rid:
+                        continue
+                    for c in out.outputs:  # deltas: only the sequences with news, so pick the first one's
+                        if c.index == 0 and c.text:
+                            yield c.text
         finally:
             self.engine.abort_request(rid)  # no-op once finished; frees blocks if the consumer stopped early
 

@@ -96,3 +96,29 @@ def test_admission_counts_sequences_not_requests(llm):
         assert engine.num_waiting == 10
         a.close()
     asyncio.run(main())
+
+
+def test_a_reader_kept_waiting_by_the_queue_is_not_stalled(llm):
+    """The stall clock runs only while output waits unread: a consumer parked for seconds while its request
+    queues, then handed several outputs at once (the event loop was busy), reads on and is never aborted."""
+    async def main():
+        engine = AsyncEngine(llm.engine, stall_timeout=0.3)
+        engine.start()
+        try:
+            busy = [engine.submit(f"busy{i}", [(None, [1, 2, 3])], _params(250)) for i in range(4)]
+            stream = engine.submit("late", [(None, [7, 8])], _params(40))
+            start = time.monotonic()
+            await _until(lambda: engine.num_waiting == 0)
+            assert time.monotonic() - start > 0.3  # it waited in the queue for longer than the stall timeout
+            time.sleep(0.2)  # the loop is busy: several outputs land in one turn
+            outs = [out async for _, out in stream]
+            for b in busy:
+                b.close()
+        finally:
+            engine.stop()
+        return stream, outs
+
+    stream, outs = asyncio.run(main())
+    assert not stream.stalled
+    assert outs[-1].outputs[-1].finish_reason == "length"
+    assert sum(len(c.token_ids) for o in outs for c in o.outputs) == 40

@@ -205,3 +205,50 @@ def test_delta_outputs_add_up_to_the_final_text_and_stay_linear(llm):
     # what the deltas carried in total is the length of the output, not the sum of every prefix of it
     assert sum(len(c.token_ids) for o in deltas for c in o.outputs) == 300
     assert deltas[-1].finished and deltas[-1].outputs[0].finish_reason == "length"
+
+
+def test_a_broken_device_is_not_contained(llm, monkeypatch):
+    """A fault that leaves the device unusable would fail every later step: the step raises (the engine thread
+    dies and the server exits for a restart) instead of failing request after request forever."""
+    from resin.core import contained
+
+    engine = llm.engine
+    engine.add_request("x", PROMPTS[0], _params()[1])
+    engine.add_request("y", PROMPTS[1], _params()[1])
+    monkeypatch.setattr(engine, "runner", _FailingRunnerAlways(engine.runner))
+    monkeypatch.setattr(contained, "device_healthy", lambda device: False)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    monkeypatch.undo()
+    engine.abort_all()
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+
+
+class _FailingRunnerAlways(_FailingRunner):
+    def execute(self, batch):
+        raise RuntimeError("device lost")
+
+
+def test_final_only_outputs_are_built_once(llm, monkeypatch):
+    """Whole responses (the server's non-streamed ones, LLM.generate) build their text once, at the end, not
+    every step: O(length) per request, not O(length^2)."""
+    from resin.core.detokenizer import IncrementalDetokenizer
+
+    calls = {"n": 0}
+    original = IncrementalDetokenizer.stable_text
+
+    def counting(self, finished):
+        calls["n"] += 1
+        return original(self, finished)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "stable_text", counting)
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 50 and calls["n"] == 1
+
+
+def test_stream_with_n_follows_the_first_sequence(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    streamed = "".join(llm.stream([4, 5, 6], params))
+    whole = llm.generate([[4, 5, 6]], params, use_tqdm=False)[0]
+    assert streamed == whole.outputs[0].text

@@ -142,6 +142,9 @@ def test_a_huge_prompt_is_refused_before_tokenising_and_nobody_waits(server):
     ('{"prompt": "ok", "temperature": Infinity}', "temperature"),
     ('{"prompt": "ok", "top_p": NaN}', "top_p"),
     ('{"prompt": "ok", "repetition_penalty": -Infinity}', "repetition_penalty"),
+    ({"prompt": "ok", "seed": 2 ** 64}, "seed"),
+    ({"prompt": "ok", "stop": ["a"] * 33}, "stop"),
+    ({"prompt": "ok", "stop_token_ids": list(range(2000))}, "stop_token_ids"),
 ])
 def test_malformed_values_are_400(server, body, param):
     assert_error(post(server, body), 400, param=param)
@@ -150,6 +153,10 @@ def test_malformed_values_are_400(server, body, param):
 def test_malformed_chat_is_400(server):
     body = '{"messages": [{"role": "user", "content": "hi \\ud800"}]}'
     assert_error(post(server, body, "/v1/chat/completions"), 400, "surrogate")
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}
+    assert_error(post(server, parts, "/v1/chat/completions"), 400, "string", param="messages")
+    many = {"messages": [{"role": "user", "content": ""}] * 3000}
+    assert_error(post(server, many, "/v1/chat/completions"), 400, "3000 messages", param="messages")
 
 
 def test_a_tiny_temperature_is_greedy(server):

@@ -73,6 +73,10 @@ GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 def create_app(state: ServerState, api_key: str | None = None, max_request_bytes: int = 32 << 20,
                metrics_need_key: bool = False) -> FastAPI:
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty: give a real key, or none to serve without one")
+    if metrics_need_key and not api_key:
+        raise ValueError("--metrics-require-api-key needs an API key (--api-key or $RESIN_API_KEY)")
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if not state.engine.alive:
@@ -84,7 +88,7 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
     async def check_api_key(request: Request) -> None:
         # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, and then a
         # non-streaming handler can no longer see that its client disconnected.
-        if api_key:
+        if api_key is not None:
             header = request.headers.get("authorization", "")
             given = header[7:] if header.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), api_key.encode()):
@@ -94,9 +98,10 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
-    def refused(request: Request, status: int, message: str, param: str | None = None) -> Response:
-        # Errors after admission were counted by their request (499: client gone, 500: failed in the engine).
-        if request.url.path in GENERATION_ROUTES and status not in (499, 500):
+    def refused(request: Request, status: int, message: str, param: str | None = None,
+                counted: bool = False) -> Response:
+        # An error after admission was counted by its request already (failed in the engine, client gone).
+        if request.url.path in GENERATION_ROUTES and not counted:
             state.metrics.outcome("rejected")
         return error_response(status, message, param)
 
@@ -107,7 +112,7 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError):
-        return refused(request, exc.status, exc.message, exc.param)
+        return refused(request, exc.status, exc.message, exc.param, exc.counted)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException):

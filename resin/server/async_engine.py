@@ -39,7 +39,8 @@ class EngineDead(StreamError):
 
 
 class RequestRejected(StreamError):
-    """The engine refused the request when it took it (its checks run before submit too, so this is rare)."""
+    """The engine refused the request when it took it. The server runs the same checks before submitting, so
+    this means a check exists only in add_request: a bug to fix there, reported as a 400 meanwhile."""
     status = 400
 
 
@@ -143,12 +144,13 @@ class AsyncEngine:
                 return
             if cmd[0] == "add":
                 _, rid, ids, params, prompt = cmd
-                with self._submitted_lock:
-                    self._submitted -= params.n
                 try:
                     self.engine.add_request(rid, ids, params, prompt)
                 except ValueError as e:
                     self._to_loop(self._dispatch_error, rid, RequestRejected(str(e)))
+                finally:  # only now: until the engine queues them, its num_waiting does not count them
+                    with self._submitted_lock:
+                        self._submitted -= params.n
             elif cmd[0] == "abort":
                 aborted = True
                 out = self.engine.abort_request(cmd[1])

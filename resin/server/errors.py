@@ -4,13 +4,15 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request", 500: "server_error", 503: "service_unavailable"}
+          413: "invalid_request_error", 429: "rate_limit_error", 499: "client_closed_request",
+          500: "server_error", 503: "service_unavailable"}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
+        self.counted = False  # its request already has an outcome (it failed or was abandoned after admission)
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.param)

@@ -1,9 +1,12 @@
 """Prometheus metrics for the server, in a registry of their own (not prometheus-client's global one)."""
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from resin.core.engine import LLMEngine
+from resin.core.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 80.0)
@@ -85,3 +88,53 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """TTFT, inter-token latency and end-to-end latency of one user request into the histograms, and how it
+    ended into exactly one outcome counter."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = self.last = time.monotonic()
+        self.tokens = 0
+        self.outcome: str | None = None
+
+    def observe(self, new: int) -> None:
+        if new <= 0:
+            return
+        now = time.monotonic()
+        if self.tokens == 0:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            for _ in range(new):
+                self.metrics.itl.observe((now - self.last) / new)
+        self.tokens, self.last = self.tokens + new, now
+
+    def observe_final(self, outputs: list[RequestOutput]) -> None:
+        """A whole (non-streamed) response: its first-token time comes from the engine, later tokens are spread
+        evenly over the rest of the time (they were never seen one by one here)."""
+        firsts = [o.metrics["first_token_time"] for o in outputs if "first_token_time" in o.metrics]
+        total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        if not firsts or total == 0:
+            return
+        first, now = min(firsts), time.monotonic()
+        self.metrics.ttft.observe(max(first - self.start, 0.0))
+        for _ in range(total - 1):
+            self.metrics.itl.observe((now - first) / (total - 1))
+        self.tokens, self.last = total, now
+
+    def finish(self, outcome: str) -> None:
+        """outcome: success, aborted (client gone, stalled, shutdown) or failed (an engine error). Once."""
+        if self.outcome is None:
+            self.outcome = outcome
+            self.metrics.e2e.observe(time.monotonic() - self.start)
+            self.metrics.outcome(outcome)
+
+
+def outcome_of(outputs: list[RequestOutput]) -> str:
+    if any(o.error for o in outputs):
+        return "failed"
+    if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
+        return "aborted"
+    return "success"

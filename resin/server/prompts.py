@@ -28,12 +28,20 @@ class PromptChecker:
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    max_sequences: int  # the most sequences the server queues (--max-waiting)
     max_chars: int  # longer text cannot fit max_model_len tokens
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, max_model_len: int, vocab_size: int) -> "PromptChecker":
+    def for_tokenizer(cls, tokenizer: Any, max_model_len: int, vocab_size: int,
+                      max_sequences: int) -> "PromptChecker":
         per_token = longest_token_chars(tokenizer) if tokenizer is not None else 1
-        return cls(tokenizer, max_model_len, vocab_size, max_model_len * per_token * _NORMALISATION_SLACK)
+        return cls(tokenizer, max_model_len, vocab_size, max_sequences,
+                   max_model_len * per_token * _NORMALISATION_SLACK)
+
+    def check_sequences(self, prompts: int, n: int) -> None:
+        if prompts * n > self.max_sequences:
+            raise APIError(400, f"{prompts} prompt(s) x n={n} is more sequences than this server queues "
+                                f"({self.max_sequences}); send fewer at a time", "n")
 
     def check_text(self, text: str, param: str) -> None:
         if len(text) > self.max_chars:
@@ -56,11 +64,12 @@ class PromptChecker:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param)
         return self.tokenizer
 
-    async def completion_prompts(self, prompt: str | list, echo: bool) -> list[tuple[str | None, list[int]]]:
+    async def completion_prompts(self, prompt: str | list, echo: bool, n: int) -> list[tuple[str | None, list[int]]]:
         """(text, ids) per prompt of a /v1/completions request. Token-id prompts are decoded only for echo."""
         prompts = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else list(prompt)
         if not prompts:
             raise APIError(400, "prompt is empty", "prompt")
+        self.check_sequences(len(prompts), n)
         for p in prompts:
             if isinstance(p, str):
                 self.check_text(p, "prompt")
@@ -87,6 +96,9 @@ class PromptChecker:
             raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
         if not messages:
             raise APIError(400, "messages is empty", "messages")
+        if len(messages) >= self.max_model_len:  # a template spends at least a token on each message
+            raise APIError(400, f"{len(messages)} messages cannot fit this model's maximum context length of "
+                                f"{self.max_model_len} tokens", "messages")
         self.check_text("".join(m["content"] for m in messages), "messages")
         return await asyncio.to_thread(self._render, messages, add_generation_prompt)
 

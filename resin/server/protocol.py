@@ -123,7 +123,9 @@ class ChatMessage(BaseModel):
                 if part.get("type") != "text":
                     raise ValueError(f"message content part of type {part.get('type')!r} is not supported; "
                                      f"only text")
-                parts.append(part.get("text", ""))
+                if not isinstance(part.get("text"), str):
+                    raise ValueError("a text content part needs a string 'text'")
+                parts.append(part["text"])
             return "".join(parts)
         return self.content or ""
 

@@ -1,8 +1,8 @@
 """RequestStream: the outputs of one user request, handed from the engine thread to one consumer on the event loop.
 
 Deltas that arrive while the consumer is busy (writing to a slow client) wait as a list and are merged once, when
-it reads: what waits is O(the request's length). If outputs wait and the consumer has not read for the engine's
-stall timeout (a client that stopped reading), the request is aborted and its KV freed.
+it reads: what waits is O(the request's length). If output has waited unread for longer than the engine's stall
+timeout (the client stopped reading, so the response's writes block), the request is aborted and its KV freed.
 """
 from __future__ import annotations
 
@@ -59,20 +59,22 @@ class RequestStream:
         self._pending: dict[int, list[RequestOutput]] = {}  # per prompt, deltas not read yet
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
-        self.last_read = time.monotonic()
+        # Since when outputs have been waiting unread (None: nothing waits). A consumer parked on _ready while the
+        # request queues or prefills is not stalled, however long that takes; only unread output counts.
+        self._waiting_since: float | None = None
         self.stalled = False
 
     # event-loop side, called by the AsyncEngine
     def _put(self, out: RequestOutput) -> None:
-        i = self._index[out.request_id]
-        waiting = self._pending.setdefault(i, [])
-        if waiting and time.monotonic() - self.last_read > self._engine.stall_timeout:
-            if not self.stalled:
-                log.warning("request %s: client has not read for %.0fs; aborting it", out.request_id,
-                            self._engine.stall_timeout)
-                self.stalled = True
-                self._abort_open()
-        waiting.append(out)
+        now = time.monotonic()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        elif now - self._waiting_since > self._engine.stall_timeout and not self.stalled:
+            log.warning("request %s: client has not read for %.0fs; aborting it", out.request_id,
+                        self._engine.stall_timeout)
+            self.stalled = True
+            self._abort_open()
+        self._pending.setdefault(self._index[out.request_id], []).append(out)
         if out.finished:
             self._open.discard(out.request_id)
         self._ready.set()
@@ -84,6 +86,7 @@ class RequestStream:
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
+        self._abort_open()  # the stream's other prompts must not run on for nobody
         self._open.clear()
         self._ready.set()
 
@@ -102,9 +105,10 @@ class RequestStream:
                 raise StopAsyncIteration
             self._ready.clear()
             await self._ready.wait()
-        self.last_read = time.monotonic()
         i = next(iter(self._pending))
-        return i, merge_deltas(self._pending.pop(i))
+        out = merge_deltas(self._pending.pop(i))
+        self._waiting_since = time.monotonic() if self._pending else None  # reading: the clock restarts
+        return i, out
 
     def close(self) -> None:
         self._abort_open()

@@ -46,9 +46,8 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
     engine = AsyncEngine(built.engine, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout,
                          on_step=metrics.on_step, on_change=metrics.on_change)
     max_len = built.engine.config.max_model_len
-    state = ServerState(engine, built.tokenizer, name, max_len, metrics,
-                        PromptChecker.for_tokenizer(built.tokenizer, max_len, built.engine.vocab_size),
-                        max_n=args.max_n)
+    prompts = PromptChecker.for_tokenizer(built.tokenizer, max_len, built.engine.vocab_size, args.max_waiting)
+    state = ServerState(engine, built.tokenizer, name, max_len, metrics, prompts, max_n=args.max_n)
     app = create_app(state, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                      metrics_need_key=args.metrics_need_key)
     log.info("op table (%s backend):\n%s", built.selection.backend.name, built.selection.format_table())

@@ -15,7 +15,7 @@ from resin.core.outputs import RequestOutput
 from resin.core.sampling_params import OutputKind, SamplingParams
 from resin.server.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream, StreamError
 from resin.server.errors import APIError, error_body, param_of_sampling_error
-from resin.server.metrics import ServerMetrics
+from resin.server.metrics import RequestTimer, ServerMetrics, outcome_of
 from resin.server.prompts import PromptChecker
 from resin.server.protocol import _Common
 
@@ -68,9 +68,7 @@ def submit(state: ServerState, base_id: str, prompts: list[tuple[str | None, lis
            max_tokens: int | None, max_tokens_name: str) -> RequestStream:
     """Everything that can refuse a request, before any response starts (so each refusal has its real status):
     context overflow (naming both numbers), the engine's own checks, the engine's state, a full queue."""
-    if len(prompts) * params.n > state.engine.max_waiting:
-        raise APIError(400, f"{len(prompts)} prompt(s) x n={params.n} is more sequences than this server queues "
-                            f"({state.engine.max_waiting}); send fewer at a time", "n")
+    state.prompts.check_sequences(len(prompts), params.n)
     for _, ids in prompts:
         n = len(ids)
         if max_tokens is not None and n + max_tokens > state.max_model_len:
@@ -91,56 +89,6 @@ def submit(state: ServerState, base_id: str, prompts: list[tuple[str | None, lis
     for _, ids in prompts:
         state.metrics.prompt_tokens.inc(len(ids))
     return stream
-
-
-class RequestTimer:
-    """TTFT, inter-token latency and end-to-end latency of one user request into the histograms, and how it
-    ended into exactly one outcome counter."""
-
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
-        self.start = self.last = time.monotonic()
-        self.tokens = 0
-        self.outcome: str | None = None
-
-    def observe(self, new: int) -> None:
-        if new <= 0:
-            return
-        now = time.monotonic()
-        if self.tokens == 0:
-            self.metrics.ttft.observe(now - self.start)
-        else:
-            for _ in range(new):
-                self.metrics.itl.observe((now - self.last) / new)
-        self.tokens, self.last = self.tokens + new, now
-
-    def observe_final(self, outputs: list[RequestOutput]) -> None:
-        """A whole (non-streamed) response: its first-token time comes from the engine, later tokens are spread
-        evenly over the rest of the time (they were never seen one by one here)."""
-        firsts = [o.metrics["first_token_time"] for o in outputs if "first_token_time" in o.metrics]
-        total = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        if not firsts or total == 0:
-            return
-        first, now = min(firsts), time.monotonic()
-        self.metrics.ttft.observe(max(first - self.start, 0.0))
-        for _ in range(total - 1):
-            self.metrics.itl.observe((now - first) / (total - 1))
-        self.tokens, self.last = total, now
-
-    def finish(self, outcome: str) -> None:
-        """outcome: success, aborted (client gone, stalled, shutdown) or failed (an engine error). Once."""
-        if self.outcome is None:
-            self.outcome = outcome
-            self.metrics.e2e.observe(time.monotonic() - self.start)
-            self.metrics.outcome(outcome)
-
-
-def outcome_of(outputs: list[RequestOutput]) -> str:
-    if any(o.error for o in outputs):
-        return "failed"
-    if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
-        return "aborted"
-    return "success"
 
 
 def raise_for_error(out: RequestOutput) -> None:
@@ -168,11 +116,14 @@ async def collect(raw: Request, stream: RequestStream, count: int, timer: Reques
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
                 timer.finish("aborted")
-                raise APIError(499, "client disconnected")
+                error = APIError(499, "client disconnected")
+                error.counted = True
+                raise error
         try:
             task.result()
-        except APIError:
+        except APIError as e:
             timer.finish("failed")
+            e.counted = True
             raise
     finally:
         stream.close()

@@ -31,7 +31,7 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise APIError(400, "best_of different from n is not supported", "best_of")
     echo_lp = req.logprobs if req.echo and req.logprobs is not None else None
     params = make_params(req, req.max_tokens, req.logprobs, req.stream, prompt_logprobs=echo_lp)
-    prompts = await state.prompts.completion_prompts(req.prompt, req.echo)
+    prompts = await state.prompts.completion_prompts(req.prompt, req.echo, req.n)
     rid, timer = new_id("cmpl"), RequestTimer(state.metrics)
     stream = submit(state, rid, prompts, params, req.max_tokens, "max_tokens")
     head = {"id": rid, "object": "text_completion", "created": state.created, "model": state.model_name}
