@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import json
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -85,20 +86,29 @@ async def run(args: argparse.Namespace, url: str, model: str) -> dict:
     }
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    port = 8000 + random.randrange(1000, 9000)
-    cmd = [sys.executable, "-m", "resin.cli", "-q", "run", *([args.model] if args.model else []),
-           "--port", str(port), "--served-model-name", "bench", "--max-num-seqs", str(max(args.concurrency, 1))]
-    proc = subprocess.Popen(cmd)
+def launch_resin(run_args: list[str], log=None) -> tuple[subprocess.Popen, str]:
+    """`resin run *run_args` on a free port of 127.0.0.1; returns once /health answers 200."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "resin.cli", "-q", "run", *run_args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    for _ in range(1200):
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with status {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
-            time.sleep(0.5)
+            time.sleep(0.25)
     proc.kill()
     raise SystemExit("the server did not come up")
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    return launch_resin([*([args.model] if args.model else []), "--served-model-name", "bench",
+                         "--max-num-seqs", str(max(args.concurrency, 1))])
 
 
 def main() -> None:

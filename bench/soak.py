@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import httpx
-from serve import percentile
+from serve import launch_resin, percentile
 
 OUTCOMES = ("success", "aborted", "failed", "rejected")
 
@@ -176,26 +176,10 @@ def compare(result: dict, alone: dict, tie: float) -> str:
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "resin.cli", "-q", "run", *([args.model] if args.model else []), "--port",
-           str(port), "--kv-cache-memory", args.kv_cache_memory, "--stream-stall-timeout", str(args.stall_timeout),
-           "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.max_num_seqs), *args.server_arg]
     log = open(Path(args.out).with_suffix(".server.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with status {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.25)
-    proc.kill()
-    raise SystemExit("the server did not come up")
+    return launch_resin([*([args.model] if args.model else []), "--kv-cache-memory", args.kv_cache_memory,
+                         "--stream-stall-timeout", str(args.stall_timeout), "--max-model-len", str(args.max_model_len),
+                         "--max-num-seqs", str(args.max_num_seqs), *args.server_arg], log)
 
 
 def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:

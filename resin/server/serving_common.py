@@ -7,7 +7,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 from fastapi import Request
 
@@ -131,6 +131,21 @@ async def collect(raw: Request, stream: RequestStream, count: int, timer: Reques
     timer.observe_final(results)
     timer.finish(outcome_of(results))
     return results
+
+
+async def sse_response(chunks: AsyncIterator[str], stream: RequestStream, timer: RequestTimer) -> AsyncIterator[str]:
+    """The frame around an endpoint's chunks: [DONE] at the end, an engine error or refusal as an error event
+    (the 200 went out long ago), and the request's engine work aborted if the client leaves mid-stream."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except (APIError, StreamError) as e:
+        timer.finish("failed")
+        yield error_event(e)
+    finally:
+        stream.close()
+        timer.finish("aborted")  # no-op unless the client left mid-stream
+    yield sse("[DONE]")
 
 
 def error_event(e: APIError | StreamError) -> str:

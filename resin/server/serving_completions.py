@@ -7,12 +7,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from resin.core.outputs import CompletionOutput, RequestOutput
-from resin.server.async_engine import RequestStream, StreamError
+from resin.server.async_engine import RequestStream
 from resin.server.errors import APIError
 from resin.server.formatting import completion_logprobs
 from resin.server.protocol import CompletionRequest
-from resin.server.serving_common import (RequestTimer, ServerState, check_common, collect, error_event, make_params,
-                                         new_id, outcome_of, raise_for_error, sse, submit, usage)
+from resin.server.serving_common import (RequestTimer, ServerState, check_common, collect, make_params, new_id,
+                                         outcome_of, raise_for_error, sse, sse_response, submit, usage)
 
 
 def _choice_logprobs(req: CompletionRequest, out: RequestOutput, c: CompletionOutput, first: bool, offset: int):
@@ -36,7 +36,8 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     stream = submit(state, rid, prompts, params, req.max_tokens, "max_tokens")
     head = {"id": rid, "object": "text_completion", "created": state.created, "model": state.model_name}
     if req.stream:
-        return StreamingResponse(_stream(req, prompts, stream, head, timer), media_type="text/event-stream")
+        return StreamingResponse(sse_response(_chunks(req, prompts, stream, head, timer), stream, timer),
+                                 media_type="text/event-stream")
     results = await collect(raw, stream, len(prompts), timer)
     choices = []
     for i, out in enumerate(results):
@@ -48,36 +49,28 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
     return JSONResponse({**head, "choices": choices, "usage": usage([len(p[1]) for p in prompts], completion)})
 
 
-async def _stream(req: CompletionRequest, prompts, stream: RequestStream, head: dict,
+async def _chunks(req: CompletionRequest, prompts, stream: RequestStream, head: dict,
                   timer: RequestTimer) -> AsyncIterator[str]:
     offsets: dict[int, int] = {}  # text_offset of the next logprob token, per choice
     started: set[int] = set()
     finals: list[RequestOutput] = []
     completion = 0
-    try:
-        async for i, out in stream:
-            raise_for_error(out)
-            if out.finished:
-                finals.append(out)
-            for c in out.outputs:
-                idx = i * req.n + c.index
-                first = idx not in started
-                started.add(idx)
-                text = (prompts[i][0] or "") + c.text if first and req.echo else c.text
-                lp = _choice_logprobs(req, out, c, first, offsets.get(idx, 0))
-                if lp and lp["tokens"]:
-                    offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                completion += len(c.token_ids)
-                timer.observe(len(c.token_ids))
-                yield sse({**head, "choices": [{"index": idx, "text": text, "logprobs": lp,
-                                                "finish_reason": c.finish_reason}]})
-        timer.finish(outcome_of(finals))
-        if req.stream_options and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": usage([len(p[1]) for p in prompts], completion)})
-    except (APIError, StreamError) as e:
-        timer.finish("failed")
-        yield error_event(e)
-    finally:
-        stream.close()
-        timer.finish("aborted")  # no-op unless the client left mid-stream
-    yield sse("[DONE]")
+    async for i, out in stream:
+        raise_for_error(out)
+        if out.finished:
+            finals.append(out)
+        for c in out.outputs:
+            idx = i * req.n + c.index
+            first = idx not in started
+            started.add(idx)
+            text = (prompts[i][0] or "") + c.text if first and req.echo else c.text
+            lp = _choice_logprobs(req, out, c, first, offsets.get(idx, 0))
+            if lp and lp["tokens"]:
+                offsets[idx] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            completion += len(c.token_ids)
+            timer.observe(len(c.token_ids))
+            yield sse({**head, "choices": [{"index": idx, "text": text, "logprobs": lp,
+                                            "finish_reason": c.finish_reason}]})
+    timer.finish(outcome_of(finals))
+    if req.stream_options and req.stream_options.include_usage:
+        yield sse({**head, "choices": [], "usage": usage([len(p[1]) for p in prompts], completion)})
