@@ -71,7 +71,7 @@ class BodyLimit:
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 
 
-def create_app(state: ServerState, api_key: str | None = None, max_request_bytes: int = 32 << 20,
+def create_app(state: ServerState, api_key: str | None = None, max_request_bytes: int = 16 << 20,
                metrics_need_key: bool = False) -> FastAPI:
     if api_key is not None and not api_key.strip():
         raise ValueError("the API key is empty: give a real key, or none to serve without one")

@@ -5,6 +5,7 @@ rejected by name, so no parameter is ever silently ignored.
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -67,7 +68,13 @@ class _Common(BaseModel):
     @classmethod
     def _valid_unicode(cls, data: Any) -> Any:
         """JSON may spell a lone surrogate ("\\ud800"); Python keeps it, but no tokenizer or UTF-8 encoder takes it.
-        Refused here, for every string in the body, with the place it was found."""
+        Refused here, for every string in the body, with the place it was found. The C encoder checks the whole
+        body at once (a million-id prompt in ~0.1 s); only a body that fails is walked to name the place."""
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+            return data
+        except (UnicodeEncodeError, TypeError, ValueError):
+            pass
         stack = [("body", data)]
         while stack:
             where, value = stack.pop()
@@ -102,7 +109,7 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: list[int] | str | list[str] | list[list[int]]  # ids first: a long id list validates 10x faster
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False

@@ -34,7 +34,7 @@ class ServeArgs:
     max_waiting: int = 1024
     max_n: int = 128
     stall_timeout: float = 30.0
-    max_request_bytes: int = 32 << 20
+    max_request_bytes: int = 16 << 20
     metrics_need_key: bool = False
     shutdown_timeout: float = 10.0
 

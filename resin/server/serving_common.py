@@ -155,8 +155,14 @@ def error_event(e: APIError | StreamError) -> str:
     return sse(error_body(e.status, e.message, e.param))
 
 
+# Characters str.splitlines() breaks lines at that JSON leaves unescaped: a client that splits an SSE stream into
+# lines that way (httpx's aiter_lines does) would cut an event in two. Inside JSON they can only be in strings.
+_LINE_BREAKS = {ord("\u2028"): "\\u2028", ord("\u2029"): "\\u2029", ord("\x85"): "\\u0085"}
+
+
 def sse(payload: dict[str, Any] | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 def usage(prompt_lens: list[int], completion_tokens: int) -> dict[str, int]:
