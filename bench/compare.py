@@ -87,7 +87,9 @@ def main() -> None:
     for key, modes in raw.items():
         table[key] = {"output_tok_s": statistics.median(r["output_tok_s"] for r in modes["batch"]),
                       "decode_tok_s": statistics.median(r["decode_tok_s"] for r in modes["single"]),
-                      "tokens": modes["batch"][0]["tokens"]}
+                      "tokens": modes["batch"][0]["tokens"],
+                      # how the engine was configured (vLLM: thread binding, KV space), so a table says it
+                      "threads": modes["batch"][0].get("threads"), "config": modes["batch"][0].get("peer_config")}
     checks = {}
     if "resin/float32" in table and "hf/float32" in table:
         sample = range(min(8, n))
