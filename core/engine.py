@@ -8,6 +8,7 @@ end (SamplingParams.output_kind).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -26,6 +27,7 @@ from resin.core.sampler import Sampler
 from resin.core.sampling_params import SamplingParams
 from resin.core.scheduler import Scheduler
 from resin.core.step_outputs import logprobs_dict, prompt_logprobs_chunk
+from resin.core.structured_output import GrammarCompiler
 
 log = logging.getLogger("resin")
 # Called with (sequences, logits) each step for the rows about to be sampled: the parity gate's window.
@@ -67,6 +69,17 @@ class LLMEngine:
         self.last_step = StepStats()
         self.num_aborted = 0
         self._num_unforked = 0
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler, made on first use (it loads xgrammar and indexes the vocabulary);
+        thread-safe, since the server compiles requests' grammars in worker threads before they reach the engine."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
+            return self._grammars
 
     # ---- requests -------------------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -100,6 +113,8 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_tokens = self.check_request(prompt_token_ids, params)
+        spec = params.structured_outputs
+        compiled = self.grammars.compile(spec) if spec is not None else None  # a no-op if compiled before
         seqs, detoks = [], []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -109,6 +124,8 @@ class LLMEngine:
                 seq.prompt_logprobs = None  # computed once, for the first sequence
             if seed is not None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(seed)
+            if compiled is not None:
+                seq.grammar = self.grammars.matcher(compiled)
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                  params.stop_strings) if self.tokenizer is not None else None)
@@ -263,19 +280,25 @@ class LLMEngine:
         return lambda t: self.tokenizer.decode([t], skip_special_tokens=False)
 
     def _append(self, seq: Request, token: int, lp: tuple | None) -> None:
-        """Everything that can fail runs before the token is recorded, so a failure leaves the sequence as it was."""
+        """Everything that can fail runs before the token is recorded, so a failure leaves the sequence as it was.
+        A stop token (eos, stop_token_ids) ends the sequence without adding its text, as in vLLM."""
         params = seq.params
         logprobs = logprobs_dict(token, lp, self._decoder()) if lp is not None else None
         detok = self.groups[seq.parent_id].detoks[seq.index]
-        stop_str = detok.add(token, seq.num_output_tokens + 1 >= params.min_tokens) if detok is not None else None
+        counts = seq.num_output_tokens + 1 >= params.min_tokens
+        stop_token = ((not params.ignore_eos and token in seq.eos_token_ids)
+                      or (token in params.stop_token_ids and counts))
+        stop_str = detok.add(token, counts) if detok is not None and not stop_token else None
+        if seq.grammar is not None:  # last: a matcher cannot take a token back
+            seq.grammar.accept(token)
         seq.token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         if stop_str is not None:
             seq.finish("stop", stop_str)
-        elif not params.ignore_eos and token in seq.eos_token_ids:
+        elif stop_token:
             seq.finish("stop", token)
-        elif token in params.stop_token_ids and seq.num_output_tokens >= params.min_tokens:
+        elif seq.grammar is not None and seq.grammar.terminated:  # a stop token ended the grammar (ignore_eos)
             seq.finish("stop", token)
         elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
             seq.finish("length")

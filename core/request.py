@@ -9,6 +9,7 @@ import torch
 
 from resin.core.outputs import PositionLogprobs
 from resin.core.sampling_params import SamplingParams
+from resin.core.structured_output import Grammar
 
 
 class Status(enum.Enum):
@@ -43,6 +44,7 @@ class Request:
     prefix_query: tuple[int, int] = (0, 0)  # (blocks looked up, blocks hit) at the last admission attempt
     first_token_time: float | None = None
     generator: torch.Generator | None = field(default=None, repr=False)  # set by the engine for seeded requests
+    grammar: Grammar | None = field(default=None, repr=False)  # set by the engine for structured outputs
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,14 +1,15 @@
 """Sampler: the whole batch in tensor ops, each row with its own parameters.
 
-Order: min_tokens masking, repetition/presence/frequency penalties, greedy argmax, temperature, top-k, top-p,
-min-p, then a draw. The draw is argmax(probs / Exp(1) noise), which samples from probs exactly; a seeded request
+Order: grammar and min_tokens masking, repetition/presence/frequency penalties, greedy argmax, temperature, top-k,
+top-p, min-p, then a draw. The draw is argmax(probs / Exp(1) noise), which samples from probs exactly; a seeded request
 draws its noise from its own torch.Generator, so its tokens do not depend on the rest of the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them.
 
 Non-finite scores never reach the argmax or the softmax (see _usable): a NaN logit (a broken model) is never chosen,
 a +inf one (from the model or an extreme repetition_penalty) wins outright, and a row with nothing left falls back
-to the model's own logits, then to any token min_tokens allows. Tokens masked by min_tokens are never chosen
-(unless a request forbids every token).
+to the model's own logits, then to any token the grammar and min_tokens allow. A token outside a row's grammar is
+never chosen, not even by that last fallback (where the grammar and min_tokens disagree, the grammar wins); one
+masked by min_tokens is chosen only when nothing else is left.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from resin.core.request import Request
+from resin.core.structured_output import GrammarMask, grammar_mask
 
 _NEG_INF = float("-inf")
 
@@ -58,8 +60,10 @@ class Sampler:
         if any(p.logprobs is not None for p in params):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
         stops = self._early_stops(reqs, device)
-        masked = logits if stops is None else logits.index_put(stops, torch.tensor(_NEG_INF, device=device))
-        scores = _usable(self._penalise(masked, reqs), masked, stops)
+        grammar = grammar_mask([r.grammar for r in reqs], self.vocab_size, device)
+        masked = logits if grammar is None else grammar.apply(logits)
+        masked = masked if stops is None else masked.index_put(stops, torch.tensor(_NEG_INF, device=device))
+        scores = _usable(self._penalise(masked, reqs), masked, stops, grammar)
 
         greedy = [p.greedy for p in params]  # one rule for "greedy" (SamplingParams.greedy), here and everywhere
         tokens = scores.argmax(dim=-1)
@@ -139,25 +143,30 @@ class Sampler:
         return out
 
 
-def _usable(scores: torch.Tensor, masked: torch.Tensor,
-            stops: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+def _usable(scores: torch.Tensor, masked: torch.Tensor, stops: tuple[torch.Tensor, torch.Tensor] | None,
+            grammar: GrammarMask | None) -> torch.Tensor:
     """Scores argmax and softmax can take: every row finite or -inf, with at least one finite entry.
 
     NaN (a score the model failed to give, or an overflow like -inf * 0) becomes -inf: never chosen. In a row
     holding +inf, those tokens become 0 and the rest -inf, since +inf outweighs any finite score and softmax would
     turn inf - inf into NaN. A row with nothing left takes the model's own logits (`masked`: min_tokens applied,
     penalties not; repetition_penalty 1e38 can send every seen logit to -inf), and where those are dead too (a
-    model that gave only NaN / -inf), 0 for every token min_tokens allows. A row that forbids every token gets
-    them all back: some token must be emitted.
+    model that gave only NaN / -inf), 0 for every token the grammar and min_tokens allow; then for every token
+    the grammar allows (a grammar that can only end while min_tokens forbids ending); then every token: some
+    token must be emitted.
     """
     if bool(torch.isfinite(scores.amax(dim=-1)).all()):  # one pass: a row's max is NaN if it holds one, else +-inf
         return scores
     scores = _tame(scores)
     scores = torch.where(_dead(scores), _tame(masked), scores)
     allowed = torch.zeros_like(scores)
+    if grammar is not None:
+        allowed = grammar.apply(allowed)
     if stops is not None:
+        by_grammar = allowed
         allowed = allowed.index_put(stops, torch.tensor(_NEG_INF, device=scores.device))
-        allowed = allowed.masked_fill(_dead(allowed), 0.0)
+        allowed = torch.where(_dead(allowed), by_grammar, allowed)
+    allowed = allowed.masked_fill(_dead(allowed), 0.0)
     return torch.where(_dead(scores), allowed, scores)
 
 

@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from resin.core.structured_output import StructuredOutputsParams
+
 # Temperatures below this sample greedily. Dividing by a tiny temperature overflows fp32 logits (1e-40 turns every
 # logit into +-inf and the softmax into NaN), and already at 1e-5 a logit gap of 1e-3 is a probability ratio of
 # e^-100: the draw is the argmax except between near-exact ties, so greedy is what such a request means.
@@ -45,6 +47,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar every output must follow
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -114,6 +117,9 @@ class SamplingParams:
             raise bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "must be a StructuredOutputsParams (json, regex, choice, grammar or "
+                                            "json_object)")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):

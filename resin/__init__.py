@@ -1,6 +1,7 @@
 """Resin: an LLM inference engine with a hardware abstraction layer."""
 from resin.core.outputs import CompletionOutput, Logprob, RequestOutput
 from resin.core.sampling_params import SamplingParams
+from resin.core.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -13,4 +14,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

@@ -121,7 +121,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                                         max_n=args.max_n, stall_timeout=args.stream_stall_timeout,
                                         max_request_bytes=args.max_request_bytes,
                                         metrics_need_key=args.metrics_require_api_key,
-                                        shutdown_timeout=args.shutdown_timeout))
+                                        shutdown_timeout=args.shutdown_timeout,
+                                        tool_call_parser=args.tool_call_parser,
+                                        grammar_compile_timeout=args.grammar_compile_timeout))
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
@@ -204,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="abort a stream whose client has not read for this many seconds while output waits")
     p.add_argument("--metrics-require-api-key", action="store_true",
                    help="/metrics needs the API key too (default: open, as Prometheus scrapers expect)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "mistral", "llama3_json", "none"],
+                   help="how the model writes tool calls, for tool_choice 'auto' (default: read from the chat "
+                        "template; 'none' refuses tool_choice 'auto')")
+    p.add_argument("--grammar-compile-timeout", type=float, default=10.0,
+                   help="structured outputs: a grammar that takes longer to compile is refused with 400")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -84,6 +84,8 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         yield
         state.shutting_down = True
         state.engine.stop()
+        if state.grammars is not None:
+            state.grammars.close()
 
     async def check_api_key(request: Request) -> None:
         # A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps `receive`, and then a

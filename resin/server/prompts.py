@@ -7,6 +7,7 @@ that remains runs in a worker thread (the tokenizer releases the GIL), so other 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +91,8 @@ class PromptChecker:
                 out.append((text, list(p)))
         return out
 
-    async def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    async def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         tok = self._tokenizer("messages")
         if not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
@@ -99,12 +101,14 @@ class PromptChecker:
         if len(messages) >= self.max_model_len:  # a template spends at least a token on each message
             raise APIError(400, f"{len(messages)} messages cannot fit this model's maximum context length of "
                                 f"{self.max_model_len} tokens", "messages")
-        self.check_text("".join(m["content"] for m in messages), "messages")
-        return await asyncio.to_thread(self._render, messages, add_generation_prompt)
+        text = [m["content"] for m in messages] + [str(c["function"]) for m in messages for c in m.get("tool_calls", ())]
+        self.check_text("".join(text) + (json.dumps(tools) if tools else ""), "messages")
+        return await asyncio.to_thread(self._render, messages, add_generation_prompt, tools)
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> tuple[str, list[int]]:
+    def _render(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None) -> tuple[str, list[int]]:
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False,
+            prompt = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                         add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - a template that rejects this conversation (e.g. role order)
             raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None

@@ -12,10 +12,36 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from resin.core.sampling_params import SamplingParams
 
-# OpenAI parameters Resin does not implement: a request that sets them gets a 400 naming them.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-               "logit_bias", "suffix", "audio", "modalities", "prediction", "web_search_options",
-               "reasoning_effort", "service_tier", "store", "metadata")
+# OpenAI parameters Resin does not implement: a request that sets them gets a 400 naming them. (The legacy
+# `functions` / `function_call` are superseded by `tools` / `tool_choice`.)
+UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix", "audio", "modalities", "prediction",
+               "web_search_options", "reasoning_effort", "service_tier", "store", "metadata")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(_Strict):
+    """vLLM's `structured_outputs` field: exactly one constraint."""
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # accepted for vLLM clients; compact JSON is Resin's default
 
 
 class StreamOptions(BaseModel):
@@ -47,13 +73,16 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted only to be refused by name (see UNSUPPORTED)
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
     logit_bias: Any = None
     audio: Any = None
     modalities: Any = None
@@ -93,11 +122,11 @@ class _Common(BaseModel):
         return data
 
     def unsupported_fields(self) -> list[str]:
-        return [name for name in UNSUPPORTED if getattr(self, name, None) is not None
-                and not (name == "tool_choice" and self.tool_choice == "none")]
+        return [name for name in UNSUPPORTED if getattr(self, name, None) is not None]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """Everything but the grammar, which the server compiles off the event loop first (see structured.py)."""
         return SamplingParams(
             n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -117,11 +146,59 @@ class CompletionRequest(_Common):
     suffix: Any = None
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message answers this call
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it. A call's arguments go in as an object when they are JSON:
+        templates write them with `tojson`, which would quote a string a second time."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):  # OpenAI content parts: only text parts are supported
@@ -137,8 +214,18 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -21,6 +21,8 @@ from resin.server.async_engine import AsyncEngine
 from resin.server.metrics import ServerMetrics
 from resin.server.prompts import PromptChecker
 from resin.server.serving_common import ServerState
+from resin.server.structured import GrammarCompiles
+from resin.server.tool_calls import tool_call_format
 
 log = logging.getLogger("resin")
 
@@ -37,6 +39,8 @@ class ServeArgs:
     max_request_bytes: int = 16 << 20
     metrics_need_key: bool = False
     shutdown_timeout: float = 10.0
+    tool_call_parser: str = "auto"  # a format in tool_calls.FORMATS, "auto" (from the chat template) or "none"
+    grammar_compile_timeout: float = 10.0
 
 
 def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
@@ -47,11 +51,15 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
                          on_step=metrics.on_step, on_change=metrics.on_change)
     max_len = built.engine.config.max_model_len
     prompts = PromptChecker.for_tokenizer(built.tokenizer, max_len, built.engine.vocab_size, args.max_waiting)
-    state = ServerState(engine, built.tokenizer, name, max_len, metrics, prompts, max_n=args.max_n)
+    tool_parser = tool_call_format(built.tokenizer, args.tool_call_parser)
+    state = ServerState(engine, built.tokenizer, name, max_len, metrics, prompts, max_n=args.max_n,
+                        grammars=GrammarCompiles(built.engine, args.grammar_compile_timeout), tool_parser=tool_parser)
     app = create_app(state, api_key=args.api_key, max_request_bytes=args.max_request_bytes,
                      metrics_need_key=args.metrics_need_key)
     log.info("op table (%s backend):\n%s", built.selection.backend.name, built.selection.format_table())
     log.info("KV cache capacity: %d tokens", built.engine.capacity_tokens)
+    log.info("tool calls (tool_choice 'auto'): %s", f"{tool_parser} format" if tool_parser else
+             "off (no known format in the chat template; --tool-call-parser sets one)")
     log.info("serving %s at http://%s:%d/v1%s", name, args.host, args.port,
              " (API key required)" if args.api_key else "")
 

@@ -13,11 +13,13 @@ from fastapi import Request
 
 from resin.core.outputs import RequestOutput
 from resin.core.sampling_params import OutputKind, SamplingParams
+from resin.core.structured_output import StructuredOutputsParams
 from resin.server.async_engine import AsyncEngine, EngineDead, QueueFull, RequestStream, StreamError
 from resin.server.errors import APIError, error_body, param_of_sampling_error
 from resin.server.metrics import RequestTimer, ServerMetrics, outcome_of
 from resin.server.prompts import PromptChecker
 from resin.server.protocol import _Common
+from resin.server.structured import GrammarCompiles
 
 
 @dataclass
@@ -29,6 +31,8 @@ class ServerState:
     metrics: ServerMetrics
     prompts: PromptChecker
     max_n: int = 128
+    grammars: GrammarCompiles | None = None
+    tool_parser: str | None = None  # the tool-call format for tool_choice 'auto' (tool_calls.FORMATS)
     created: int = field(default_factory=lambda: int(time.time()))
     shutting_down: bool = False
 
@@ -62,6 +66,18 @@ def make_params(req: _Common, max_tokens: int | None, logprobs: int | None, stre
         raise APIError(400, str(e), param_of_sampling_error(str(e))) from None
     # Streams take deltas; a whole response is built once, from the final output.
     return dataclasses.replace(params, output_kind=OutputKind.DELTA if stream else OutputKind.FINAL_ONLY)
+
+
+async def constrained(state: ServerState, params: SamplingParams,
+                      asked: tuple[StructuredOutputsParams, str] | None) -> SamplingParams:
+    """params with the request's grammar, compiled first (a grammar that cannot compile is a 400 naming it)."""
+    if asked is None:
+        return params
+    spec, param = asked
+    if state.grammars is None:
+        raise APIError(400, "this server does not take structured outputs", param)
+    await state.grammars.compile(spec, param)
+    return dataclasses.replace(params, structured_outputs=spec)
 
 
 def submit(state: ServerState, base_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,

@@ -11,8 +11,9 @@ from resin.server.async_engine import RequestStream
 from resin.server.errors import APIError
 from resin.server.formatting import completion_logprobs
 from resin.server.protocol import CompletionRequest
-from resin.server.serving_common import (RequestTimer, ServerState, check_common, collect, make_params, new_id,
-                                         outcome_of, raise_for_error, sse, sse_response, submit, usage)
+from resin.server.serving_common import (RequestTimer, ServerState, check_common, collect, constrained, make_params,
+                                         new_id, outcome_of, raise_for_error, sse, sse_response, submit, usage)
+from resin.server.structured import requested_constraint
 
 
 def _choice_logprobs(req: CompletionRequest, out: RequestOutput, c: CompletionOutput, first: bool, offset: int):
@@ -31,7 +32,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, raw: Req
         raise APIError(400, "best_of different from n is not supported", "best_of")
     echo_lp = req.logprobs if req.echo and req.logprobs is not None else None
     params = make_params(req, req.max_tokens, req.logprobs, req.stream, prompt_logprobs=echo_lp)
+    asked = requested_constraint(req)
     prompts = await state.prompts.completion_prompts(req.prompt, req.echo, req.n)
+    params = await constrained(state, params, asked)
     rid, timer = new_id("cmpl"), RequestTimer(state.metrics)
     stream = submit(state, rid, prompts, params, req.max_tokens, "max_tokens")
     head = {"id": rid, "object": "text_completion", "created": state.created, "model": state.model_name}
