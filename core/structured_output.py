@@ -108,7 +108,8 @@ class GrammarCompiler:
             raise GrammarError("structured outputs need the model's tokenizer, and this model ships none")
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        # xgrammar's own cache is unbounded by default: the bounded one here is the only one.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -121,6 +122,8 @@ class GrammarCompiler:
             key = spec.key()
         except json.JSONDecodeError as e:
             raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+        except RecursionError:
+            raise GrammarError("the JSON schema is nested too deeply") from None
         with self._lock:
             compiled = self._cache.get(key)
             if compiled is not None:
@@ -148,6 +151,8 @@ class GrammarCompiler:
             if spec.kind == "choice":
                 return c.compile_grammar(choice_grammar(spec.choice))
             return c.compile_grammar(spec.grammar)
+        except RecursionError:
+            raise GrammarError(f"the {spec.kind} constraint is nested too deeply") from None
         except (RuntimeError, ValueError, TypeError) as e:
             what = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex",
                     "choice": "choice", "grammar": "grammar"}[spec.kind]

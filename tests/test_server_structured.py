@@ -215,25 +215,51 @@ def test_auto_tool_calls_are_parsed_streamed_and_not(tool_server):
     assert none.choices[0].message.content == written and not none.choices[0].message.tool_calls
 
 
-def test_tool_round_trip_renders_calls_and_results(tool_server, hermes_model):
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_round_trip_renders_calls_and_results(tool_server, hermes_model, stream):
     client = tool_server.client()
-    first = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           temperature=0, max_tokens=200)
-    call = first.choices[0].message.tool_calls[0]
-    messages = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
-                {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
-    answer = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], temperature=0,
-                                            max_tokens=8)
-    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    kw = dict(model="tiny", messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0, max_tokens=200)
+    if stream:
+        content, calls, _ = _streamed(client.chat.completions.create(stream=True, **kw))
+        call_id = "call_streamed1"
+        assistant = {"role": "assistant", "content": content, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": calls[0][0], "arguments": json.dumps(calls[0][1])}}]}
+    else:
+        first = client.chat.completions.create(**kw)
+        assistant = first.choices[0].message.model_dump(exclude_none=True)
+        call_id = first.choices[0].message.tool_calls[0].id
+    call = assistant["tool_calls"][0]
+    messages = [*ASK, assistant, {"role": "tool", "tool_call_id": call_id, "content": '{"temp_c": 21}'}]
+    answer_kw = dict(model="tiny", messages=messages, tools=[WEATHER], temperature=0, max_tokens=8)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
+                                                     **answer_kw))
+        text, prompt_tokens = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), \
+            chunks[-1].usage.prompt_tokens
+    else:
+        answer = client.chat.completions.create(**answer_kw)
+        assert not answer.choices[0].message.tool_calls
+        text, prompt_tokens = answer.choices[0].message.content, answer.usage.prompt_tokens
+    assert text
     # the server rendered the call's arguments as an object and the tool result, exactly as the template says
     tok = hermes_model[1]
-    rendered = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": call.id, "type": "function",
-         "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}]
+    rendered = [*ASK, {"role": "assistant", "content": assistant.get("content") or "", "tool_calls": [
+        {"id": call_id, "type": "function",
+         "function": {"name": call["function"]["name"], "arguments": json.loads(call["function"]["arguments"])}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": '{"temp_c": 21}'}]
     text = tok.apply_chat_template(rendered, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
     assert '<tool_response>{"temp_c": 21}</tool_response>' in text and '"arguments": {"city": ' in text
-    assert answer.usage.prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+    assert prompt_tokens == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("arguments", ["[" * 3000, '{"x": "\\ud800"}', "not json"])
+def test_odd_arguments_in_earlier_calls_are_rendered_as_written(tool_server, arguments):
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    r = httpx.post(tool_server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": messages, "tools": [WEATHER], "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("body,message", [
@@ -245,6 +271,9 @@ def test_tool_round_trip_renders_calls_and_results(tool_server, hermes_model):
     ({"tools": [WEATHER, WEATHER]}, "distinct function names"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"functions": [{"name": "f"}]}, "not supported"),
+    ({"tools": [{"type": "function", "function": {"name": "big", "parameters": {
+        "type": "object", "description": "x" * 300_000}}}], "tool_choice": "required"}, "tools: structured outputs"),
+    ({"guided_json": "[" * 100_000}, "nested too deeply"),
 ])
 def test_bad_tool_requests_are_400(tool_server, body, message):
     r = httpx.post(tool_server.url + "/v1/chat/completions", timeout=30,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from resin.core.structured_output import StructuredOutputsParams
+from resin.core.structured_output import GrammarError, StructuredOutputsParams
 from resin.server.errors import APIError
 from resin.server.protocol import ChatCompletionRequest, NamedToolChoice
 from resin.server.tool_calls import FORMATS, CallDelta, Parsed, ToolCallParser, ToolFormat, new_call_id
@@ -52,6 +52,13 @@ class ToolPlan:
 
     @classmethod
     def of(cls, req: ChatCompletionRequest, parser_format: str | None) -> "ToolPlan":
+        try:
+            return cls._of(req, parser_format)
+        except GrammarError as e:  # a tool's schema too large or malformed for a grammar
+            raise APIError(400, f"tools: {e}", "tools") from None
+
+    @classmethod
+    def _of(cls, req: ChatCompletionRequest, parser_format: str | None) -> "ToolPlan":
         tools = req.tools or []
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         if choice == "none":

@@ -215,9 +215,12 @@ class ChatMessage(BaseModel):
 
 
 def _json_or_text(text: str) -> Any:
+    """JSON arguments as an object; anything else (not JSON, too deep, spelling lone surrogates) as written."""
     try:
-        return json.loads(text)
-    except ValueError:
+        value = json.loads(text)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return value
+    except (ValueError, RecursionError, UnicodeEncodeError):
         return text
 
 

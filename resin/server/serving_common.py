@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from resin.server.metrics import RequestTimer, ServerMetrics, outcome_of
 from resin.server.prompts import PromptChecker
 from resin.server.protocol import _Common
 from resin.server.structured import GrammarCompiles
+
+log = logging.getLogger("resin")
 
 
 @dataclass
@@ -158,6 +161,11 @@ async def sse_response(chunks: AsyncIterator[str], stream: RequestStream, timer:
     except (APIError, StreamError) as e:
         timer.finish("failed")
         yield error_event(e)
+    except Exception as e:  # noqa: BLE001 - a bug in shaping this stream's output: end it with an error, not a cut
+        log.exception("stream %s failed", stream)
+        timer.finish("failed")
+        yield sse(error_body(500, f"the server failed while streaming this response ({type(e).__name__}); other "
+                                  f"requests are unaffected"))
     finally:
         stream.close()
         timer.finish("aborted")  # no-op unless the client left mid-stream

@@ -23,6 +23,7 @@ def requested_constraint(req: _Common) -> tuple[StructuredOutputsParams, str] | 
     """The constraint a request's response_format, structured_outputs or guided_* field asks for, with the field's
     name; None when it asks for none. Asking in two places is a 400: which one would win is anyone's guess."""
     found: list[tuple[StructuredOutputsParams, str]] = []
+    field = "response_format"  # the one being read, for the error
     try:
         fmt = req.response_format
         if fmt is not None and fmt.type == "json_object":
@@ -33,16 +34,17 @@ def requested_constraint(req: _Common) -> tuple[StructuredOutputsParams, str] | 
                                "response_format")
             found.append((StructuredOutputsParams(json=fmt.json_schema.json_schema), "response_format"))
         so = req.structured_outputs
+        field = "structured_outputs"
         if so is not None:
             found.append((StructuredOutputsParams(
                 json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=bool(so.json_object),
                 any_whitespace=so.disable_any_whitespace is False), "structured_outputs"))
         for name in _GUIDED:
-            value = getattr(req, name)
+            value, field = getattr(req, name), name
             if value is not None:
                 found.append((StructuredOutputsParams(**{name.removeprefix("guided_"): value}), name))
     except GrammarError as e:
-        raise APIError(400, str(e), found[-1][1] if found else "structured_outputs") from None
+        raise APIError(400, str(e), field) from None
     if len(found) > 1:
         raise APIError(400, f"{' and '.join(n for _, n in found)} both constrain the output: give only one",
                        found[1][1])

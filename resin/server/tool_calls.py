@@ -19,8 +19,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-_NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARGS = re.compile(r'\{\s*"name"\s*:\s*"(?:[^"\\]|\\.)*"\s*,\s*"(arguments|parameters)"\s*:\s*')
+# A call's head: its name, then its arguments key. The call opens (its name goes out) once the head is complete.
+_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+# Tool names are at most 64 characters: a head not complete within this many is left to the object's end, so a long
+# string in a name-first object is never rescanned on every delta.
+_HEAD_WINDOW = 256
 _ARG_KEYS = ("arguments", "parameters")
 
 
@@ -47,7 +50,7 @@ def detect_format(chat_template: str | None) -> str | None:
         return "hermes"
     if "[TOOL_CALLS]" in chat_template:
         return "mistral"
-    if "<|python_tag|>" in chat_template or '"parameters"' in chat_template:
+    if "<|python_tag|>" in chat_template or ('"parameters"' in chat_template and "ipython" in chat_template):
         return "llama3_json"
     return None
 
@@ -87,8 +90,35 @@ class Parsed:
     calls: list[CallDelta] = field(default_factory=list)
 
 
-def new_call_id() -> str:
+def new_call_id(fmt: ToolFormat | None = None) -> str:
+    """OpenAI-style ids; Mistral's templates accept only 9 alphanumeric characters (and refuse the next turn
+    otherwise)."""
+    if fmt is not None and fmt.name == "mistral":
+        return uuid.uuid4().hex[:9]
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _utf8(text: str) -> str:
+    """Decoded model JSON may spell lone surrogates ("\\ud83d"), which no response can encode: kept escaped."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+
+
+def _may_start_call(text: str) -> bool | None:
+    """For formats without a marker: does the output open with a call (`{"name"` or `[{"name"`)? None: not known
+    yet."""
+    t = text[1:].lstrip() if text.startswith("[") else text
+    if not t:
+        return None
+    if t[0] != "{":
+        return False
+    rest = t[1:].lstrip()
+    if '"name"'.startswith(rest):
+        return None
+    return rest.startswith('"name"')
 
 
 @dataclass
@@ -101,10 +131,17 @@ class _Scan:
     args_start: int | None = None  # where a raw (object or array) arguments value begins
     args_end: int | None = None
 
-    def run(self, text: str) -> int | None:
-        """The object's end (exclusive) once text holds all of it, else None."""
+    def run(self, text: str, end_marker: str = "") -> int | None:
+        """The object's end (exclusive) once text holds all of it, else None. An end marker outside a string
+        (JSON never has one there) ends an object the model left unclosed."""
         while self.pos < len(text):
             ch = text[self.pos]
+            if end_marker and not self.in_str and ch == end_marker[0]:
+                rest = text[self.pos:self.pos + len(end_marker)]
+                if rest == end_marker:
+                    return self.pos
+                if end_marker.startswith(rest):
+                    return None  # may be the marker: wait for more text
             self.pos += 1
             if self.in_str:
                 if self.escaped:
@@ -139,6 +176,9 @@ class ToolCallParser:
         self.call_open = False  # the current call's name went out
         self.args_sent = 0  # characters of the current call's raw arguments sent
         self.scan = _Scan()
+        self.head_given_up = False  # the current object's head did not complete early: its end decides
+        self.strip_next = False  # whitespace right after a block of calls is layout, not content
+        self.last_was_call = False
 
     # ---- driving ------------------------------------------------------------------------------------------
     def feed(self, text: str) -> Parsed:
@@ -170,6 +210,11 @@ class ToolCallParser:
         return self._object(out, final)
 
     def _content(self, out: Parsed, final: bool) -> bool:
+        if self.strip_next:
+            self.buf = self.buf.lstrip()
+            if not self.buf and not final:
+                return False
+            self.strip_next = False
         marker = self.fmt.start
         if not marker:  # formats without a marker find calls only at the start of the output
             out.content += self.buf
@@ -192,9 +237,10 @@ class ToolCallParser:
             text = text[len(self.fmt.skip_prefix):].lstrip()
         elif self.fmt.skip_prefix.startswith(text) and text and not final:
             return False
-        if not text:
-            return False if not final else self._to_content()
-        if text[0] in "{[":
+        starts = _may_start_call(text)
+        if starts is None and not final:
+            return False
+        if starts:
             self.buf = text
             self.mode = "calls"
             return True
@@ -212,31 +258,38 @@ class ToolCallParser:
         if text[0] == "{":
             self.mode = "object"
             self.scan = _Scan()
+            self.head_given_up = False
             return True
         end = self.fmt.end
         if end and text.startswith(end):
             self.buf = text[len(end):]
             self.mode = "content"
+            self.strip_next = self.last_was_call
             return True
         if end and end.startswith(text) and not final:
             return False
         if text[0] == "]":
             self.buf = text[1:]
+            self.strip_next = self.last_was_call
         self.mode = "content"  # anything else ends the calls (and is content, for formats with a marker)
         return True
 
     def _object(self, out: Parsed, final: bool) -> bool:
         """A call's JSON object at the start of buf: name first, then raw argument fragments, then its end."""
         scan = self.scan
-        if not self.call_open:
-            m = _NAME.match(self.buf)
-            if m:
-                self._open(out, json.loads(f'"{m.group(1)}"'))
-        if self.call_open and scan.args_start is None:
-            m = _ARGS.match(self.buf)
-            if m and m.end() < len(self.buf) and self.buf[m.end()] in "{[":
-                scan.args_start = m.end()  # a string value (JSON-encoded arguments) is settled at the end
-        end = scan.run(self.buf)
+        if not self.call_open and not self.head_given_up:
+            m = _HEAD.match(self.buf)
+            if m is None:
+                self.head_given_up = len(self.buf) > _HEAD_WINDOW
+            elif m.end() < len(self.buf):  # the value's first character is there
+                name = _decoded_string(m.group(1))
+                if name is None:
+                    self.head_given_up = True
+                else:
+                    self._open(out, name)
+                    if self.buf[m.end()] in "{[":
+                        scan.args_start = m.end()  # a string value (JSON-encoded arguments) is settled at the end
+        end = scan.run(self.buf, self.fmt.end)
         if scan.args_start is not None:
             upto = scan.args_end if scan.args_end is not None else scan.pos
             fragment = self.buf[scan.args_start + self.args_sent:upto]
@@ -255,7 +308,7 @@ class ToolCallParser:
         self.call_open = True
         self.args_sent = 0
         if self._emitting:
-            out.calls.append(CallDelta(self.index, new_call_id(), name))
+            out.calls.append(CallDelta(self.index, new_call_id(self.fmt), name))
 
     @property
     def made_calls(self) -> bool:
@@ -276,20 +329,36 @@ class ToolCallParser:
     def _close(self, out: Parsed, obj: str) -> None:
         try:
             call = json.loads(obj)
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
-        valid = isinstance(call, dict) and isinstance(call.get("name"), str)
         args_key = next((k for k in _ARG_KEYS if isinstance(call, dict) and k in call), None)
+        # Without a marker, only an object with arguments is a call: `{"name": "Ann", "age": 3}` is an answer.
+        valid = isinstance(call, dict) and isinstance(call.get("name"), str) and (self.fmt.start or args_key)
         if not self.call_open:
             if not valid:  # never a call: the text goes back out as content
                 out.content += obj
+                self.last_was_call = False
                 return
-            self._open(out, call["name"])
+            self._open(out, _utf8(call["name"]))
         if self.scan.args_start is None and valid:
             value = call.get(args_key, {}) if args_key else {}
-            text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-            self._arguments(out, text)
+            try:
+                text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+            except RecursionError:
+                text = obj  # too deep to re-encode: what the model wrote
+            self._arguments(out, _utf8(text))
         self.call_open = False
+        self.last_was_call = True
+
+
+def _decoded_string(body: str) -> str | None:
+    """A JSON string literal's content (without its quotes), or None if it is not valid or not encodable."""
+    try:
+        text = json.loads(f'"{body}"')
+        text.encode("utf-8")
+        return text
+    except (ValueError, UnicodeEncodeError):
+        return None
 
 
 def _partial_suffix(text: str, marker: str) -> int:
