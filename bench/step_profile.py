@@ -21,12 +21,13 @@ from pathlib import Path
 
 from resin import LLM, SamplingParams
 from resin.hal import registry
+from timers import Stopwatch
 
 
 def profile(llm: LLM, batch: int, steps: int, per_op: bool = False) -> dict:
     engine = llm.engine
     model = engine.runner.model
-    spent = [0.0]
+    spent = Stopwatch()
     op_time: collections.Counter[str] = collections.Counter()
     op_calls: collections.Counter[str] = collections.Counter()
 
@@ -39,16 +40,8 @@ def profile(llm: LLM, batch: int, steps: int, per_op: bool = False) -> dict:
             return out
         return call
 
-    def timed(fn):
-        def call(*a, **kw):
-            start = time.perf_counter()
-            out = fn(*a, **kw)
-            spent[0] += time.perf_counter() - start
-            return out
-        return call
-
     forward, logits = model.forward, model.compute_logits
-    model.forward, model.compute_logits = timed(forward), timed(logits)
+    model.forward, model.compute_logits = spent.wrap(forward), spent.wrap(logits)
     try:
         for i in range(batch):
             engine.add_request(f"p{batch}-{i}", [100 + (i * 7 + j) % 5000 for j in range(64)],
@@ -64,7 +57,7 @@ def profile(llm: LLM, batch: int, steps: int, per_op: bool = False) -> dict:
                                       for name, chain in saved.items()})
             attn.forward, attn.plan = op_timed("attention (per layer)", attn.forward), op_timed("attention plan",
                                                                                                 attn.plan)
-        spent[0] = 0.0
+        spent.seconds = 0.0
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -75,7 +68,7 @@ def profile(llm: LLM, batch: int, steps: int, per_op: bool = False) -> dict:
             registry.activate_chains(saved)
             del attn.forward, attn.plan  # the instance attributes; the class methods show through again
         engine.abort_all()
-    step_ms, fwd_ms = total / steps * 1e3, spent[0] / steps * 1e3
+    step_ms, fwd_ms = total / steps * 1e3, spent.seconds / steps * 1e3
     row = {"batch": batch, "step_ms": step_ms, "forward_ms": fwd_ms, "overhead_ms": step_ms - fwd_ms,
            "overhead_fraction": (step_ms - fwd_ms) / step_ms}
     if per_op:

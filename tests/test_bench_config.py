@@ -16,3 +16,21 @@ pytestmark = pytest.mark.unit
 def test_vllm_threads_are_bound_to_every_core(cpus, bind):
     env = vllm_cpu_env(cpus)
     assert env == {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def test_structured_mask_bench_times_the_mask_at_a_steady_batch(text_model):
+    """The bench's measurement is real: the mask and matcher time of constrained steps is seen (and none without a
+    grammar to advance), at a full batch, and the wrapped functions are restored."""
+    import resin.core.sampler as sampler_module
+    from resin import LLM
+    from resin.core.structured_output import Grammar, GrammarMask
+    from structured_mask import run
+
+    before = (sampler_module.grammar_mask, GrammarMask.apply, Grammar.accept)
+    llm = LLM(str(text_model[0]), dtype="float32", kv_cache_memory="8MiB", max_num_seqs=4)
+    with_grammar, without = run(llm, 4, 3, True), run(llm, 4, 3, False)
+    assert with_grammar["steps_at_full_batch"] == 3 and with_grammar["mask_ms"] > 0
+    assert with_grammar["advance_ms"] > 0 and 0 < with_grammar["mask_fraction"] < 1
+    assert without["advance_ms"] == 0  # no matcher without a grammar
+    assert (sampler_module.grammar_mask, GrammarMask.apply, Grammar.accept) == before
+    assert not llm.engine.has_unfinished_requests()
