@@ -116,7 +116,7 @@ def test_unknown_backend_name():
 
 AITER_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "moe_route", "fused_moe", "fp8_linear"}
 TRITON_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route",
-              "fused_moe"}
+              "fused_moe", "causal_conv1d", "causal_conv1d_update", "gated_delta_rule"}
 
 
 def _chosen(sel):

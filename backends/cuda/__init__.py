@@ -39,7 +39,8 @@ ATTENTION.register("flashinfer", _library("flashinfer", "flashinfer-python"), Fl
 ATTENTION.register("flash_attn", _library("flash_attn", "flash-attn"), FlashAttnAttention.unsupported_reason,
                    library="flash-attn")(FlashAttnAttention)
 
-TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route", "fused_moe")
+TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route", "fused_moe",
+              "causal_conv1d", "causal_conv1d_update", "gated_delta_rule")
 
 BACKEND = BackendSpec(
     "cuda", priorities={**{op: ["triton"] for op in TRITON_OPS}, "attention": ["triton", "flashinfer", "flash_attn"],

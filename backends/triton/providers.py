@@ -11,6 +11,7 @@ from resin.hal.fp8 import FP8_LINEAR
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import FUSED_ADD_RMS_NORM, GELU_AND_MUL, RMS_NORM, ROTARY, SILU_AND_MUL
 from resin.hal.platform import Platform
+from resin.hal.recurrent import CAUSAL_CONV1D, CAUSAL_CONV1D_UPDATE, GATED_DELTA_RULE
 from resin.hal.registry import needs_fp8
 
 _MIN_SM = 80  # bf16 tensor cores
@@ -66,3 +67,9 @@ MOE_ROUTE.register(T, supported, _lazy("moe", "route_supports_args"), library=T)
 FUSED_MOE.register(T, supported, _lazy("moe", "fused_moe_supports_args"), library=T)(_lazy("moe", "fused_moe"))
 FP8_LINEAR.register(T, fp8_supported, _lazy("fp8", "fp8_linear_supports_args"), library=T)(
     _lazy("fp8", "fp8_linear"))
+CAUSAL_CONV1D.register(T, supported, _lazy("recurrent", "conv1d_supports_args"), library=T)(
+    _lazy("recurrent", "causal_conv1d"))
+CAUSAL_CONV1D_UPDATE.register(T, supported, _lazy("recurrent", "conv1d_supports_args"), library=T)(
+    _lazy("recurrent", "causal_conv1d_update"))
+GATED_DELTA_RULE.register(T, supported, _lazy("recurrent", "gdn_supports_args"), library=T)(
+    _lazy("recurrent", "gated_delta_rule"))
