@@ -106,7 +106,7 @@ def decode_steps(model_dir: Path, batch: int, graphs: bool, steps: int, backend:
     return {"attention": attention, "batch": batch, "graphs": graphs, "ms_per_step": elapsed / steps * 1e3,
             "graph_replays": captured.replays if captured is not None else 0,
             # captured decode steps run the first graph-safe attention provider (the Triton kernel behind aiter's)
-            "graph_attention": type(captured.attn).__name__ if captured is not None else None}
+            "graph_attention": type(captured.attns[0]).__name__ if captured is not None else None}
 
 
 def main() -> None:

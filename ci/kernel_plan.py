@@ -76,7 +76,7 @@ def _run_model(shape: ModelShape, dtype: torch.dtype, fp8_dtype: torch.dtype | N
     layers = model.attention_layers
     attn = ATTENTION(layers, BLOCK_SIZE, dtype, torch.device("cpu"))
     num_blocks = max(MIXED.num_blocks, LONG_DECODE.num_blocks, MAX_GRAPH_BATCH) + 1
-    ctx = ForwardContext(attn, _kv_caches(attn, layers, num_blocks, dtype))
+    ctx = ForwardContext([attn], _kv_caches(attn, layers, num_blocks, dtype))
     name = f"{shape.name} {_DTYPE_NAMES[dtype] if fp8_dtype is None else 'fp8'}"
     count = None
     tags = _LayerTag(model, rec)

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from resin.core.cache_layout import plan_cache_layout
 from resin.core.config import EngineConfig
 from resin.core.detokenizer import IncrementalDetokenizer
 from resin.core.kv_cache_manager import KVCacheManager
@@ -54,18 +55,22 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.device = device
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.layout = plan_cache_layout(model.attention_layers, config.block_size, dtype)
+        chunk = config.max_num_batched_tokens
+        if self.layout.pages_for(config.max_model_len, chunk) > num_blocks:  # else a long request never finishes
+            fits = self.layout.capacity_tokens(num_blocks, chunk, config.max_model_len)
+            raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache ({num_blocks} blocks hold "
+                             f"{fits} tokens of one sequence): raise kv_cache_memory or lower max_model_len")
+        self.capacity_tokens = self.layout.capacity_tokens(num_blocks, chunk, max(config.max_model_len,
+                                                                                  num_blocks * config.block_size))
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.layout.groups)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, config.max_num_seqs,
-                                  config.max_model_len, dtype, device,
+        self.runner = ModelRunner(model, self.layout, num_blocks, config.max_num_seqs, config.max_model_len, dtype,
+                                  device,
                                   graph_batch=min(config.max_num_seqs, config.max_graph_batch) if config.graphs else 0)
         self.sampler = Sampler(vocab_size, torch.Generator(device=device).manual_seed(config.seed))
         self.logits_observer = logits_observer
         self.groups: dict[str, RequestGroup] = {}
-        self.capacity_tokens = num_blocks * config.block_size
-        if config.max_model_len > self.capacity_tokens:  # else one long request could never finish
-            raise ValueError(f"max_model_len={config.max_model_len} does not fit the KV cache ({self.capacity_tokens} "
-                             f"tokens): raise kv_cache_memory or lower max_model_len")
         self.last_step = StepStats()
         self.num_aborted = 0
         self._num_unforked = 0

@@ -1,9 +1,9 @@
 """ModelRunner: turns a scheduled batch into one flat forward and returns the logits that will be used.
 
 The flat batch holds every scheduled token back to back (prefill chunks and decodes mixed); the attention
-backend plans once per step from query start offsets, context lengths, block tables and slot mapping. Block
-tables live in a persistent buffer with one row per running request, so a step writes only the blocks that are
-new since the last step. Logits are computed only at positions that are sampled or asked for prompt logprobs.
+backend of each cache group plans once per step from query start offsets, context lengths, the group's block
+tables and slot mapping. Block tables live in a persistent buffer with one row per running request, so a step
+writes only the blocks that are new since the last step. Logits are computed only at positions that are sampled or asked for prompt logprobs.
 """
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from typing import Protocol
 
 import torch
 
+from resin.core.cache_layout import CacheLayout
 from resin.core.graph_runner import DecodeGraphs
+from resin.core.kv_cache_manager import NULL_BLOCK
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
 from resin.hal import ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext
@@ -31,30 +33,32 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-def kv_bytes_per_block(layers: list[AttentionLayer], block_size: int, dtype: torch.dtype) -> int:
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    return sum(2 * block_size * layer.num_kv_heads * layer.head_size * itemsize for layer in layers)
-
-
 class BlockTableBuffer:
-    """(max_num_seqs, max_blocks) int32 table; a row per running request, appended to as its blocks grow."""
+    """(groups, max_num_seqs, max_blocks) int32 tables; a row per running request, appended to as its blocks grow.
 
-    def __init__(self, max_rows: int, max_blocks: int):
-        self.table = torch.zeros(max_rows, max_blocks, dtype=torch.int32)
+    A block a sliding window dropped keeps its old page in the row: attention never reads keys outside the window,
+    so the entry is dead either way, and rewriting it would cost a copy per step.
+    """
+
+    def __init__(self, num_groups: int, max_rows: int, max_blocks: int, null_page: int):
+        self.table = torch.zeros(num_groups, max_rows, max_blocks, dtype=torch.int32)
+        self.null_page = null_page
         self._row: dict[str, int] = {}
-        self._written: list[int] = [0] * max_rows
+        self._written: list[list[int]] = [[0] * max_rows for _ in range(num_groups)]
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
     def row_of(self, req: Request) -> int:
         row = self._row.get(req.request_id)
         if row is None:
             row = self._row[req.request_id] = self._free_rows.pop()
-            self._written[row] = 0
-        n = len(req.block_ids)
-        if n > self._written[row]:
-            start = self._written[row]
-            self.table[row, start:n] = torch.tensor(req.block_ids[start:], dtype=torch.int32)
-            self._written[row] = n
+            for written in self._written:
+                written[row] = 0
+        for g, held in enumerate(req.block_ids):
+            start, n = self._written[g][row], len(held)
+            if n > start:
+                self.table[g, row, start:n] = torch.tensor(
+                    [self.null_page if b == NULL_BLOCK else b for b in held[start:]], dtype=torch.int32)
+                self._written[g][row] = n
         return row
 
     def release(self, req: Request) -> None:
@@ -79,65 +83,85 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, max_num_seqs: int,
+    def __init__(self, model: CausalLM, layout: CacheLayout, num_blocks: int, max_num_seqs: int,
                  max_model_len: int, dtype: torch.dtype, device: torch.device, graph_batch: int = 0):
-        """graph_batch > 0: capture decode graphs for batches up to that size. Captured steps use each op's first
-        graph-safe provider, eager steps its first provider: one that cannot be captured costs graphs nothing."""
-        self.model = model
-        self.block_size, self.num_blocks = block_size, num_blocks
+        """num_blocks pages serve every cache group (core/cache_layout.py); one more, the null page, stands for
+        dropped blocks and takes the writes of graph padding rows. graph_batch > 0: capture decode graphs for
+        batches up to that size. Captured steps use each op's first graph-safe provider, eager steps its first
+        provider: one that cannot be captured costs graphs nothing."""
+        self.model, self.layout = model, layout
+        self.block_size, self.num_blocks = layout.block_size, num_blocks
         self.device = device
-        layers = model.attention_layers
-        self.attn = ATTENTION(layers, block_size, dtype, device)
-        decode_attn = self._graph_attention(layers, block_size, dtype, device) if graph_batch > 0 else None
-        graphs = decode_attn is not None
-        # With graphs, one extra block past the pool's is the scratch block that padding rows write to.
-        cache_blocks = num_blocks + 1 if graphs else num_blocks
-        self.kv_caches = [torch.zeros(self.attn.kv_cache_shape(cache_blocks, block_size, layer.num_kv_heads,
-                                                               layer.head_size), dtype=dtype, device=device)
-                          for layer in layers]
-        max_blocks = -(-max_model_len // block_size)
-        self.block_tables = BlockTableBuffer(max_num_seqs, max_blocks)
-        self.ctx = ForwardContext(self.attn, self.kv_caches)
+        self.attns = self._group_backends(model.attention_layers, dtype, device)
+        decode_attns = self._graph_attention(model.attention_layers, dtype, device) if graph_batch > 0 else None
+        route = layout.route()
+        slots = [torch.zeros(self.attn.kv_cache_shape(num_blocks + 1, self.block_size, hk, d), dtype=dtype,
+                             device=device) for hk, d in self._slot_shapes(model.attention_layers)]
+        self.kv_caches = [slots[j] for _, j in route]
+        max_blocks = -(-max_model_len // self.block_size)
+        self.block_tables = BlockTableBuffer(len(layout.groups), max_num_seqs, max_blocks, null_page=num_blocks)
+        self.ctx = ForwardContext(self.attns, self.kv_caches, route)
         self.graphs: DecodeGraphs | None = None
-        if graphs:
+        if decode_attns is not None:
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(model.forward, ForwardContext(decode_attn, self.kv_caches), graph_batch,
-                                       max_blocks, scratch_block=num_blocks, block_size=block_size, device=device)
+            self.graphs = DecodeGraphs(model.forward, ForwardContext(decode_attns, self.kv_caches, route),
+                                       graph_batch, max_blocks, scratch_block=num_blocks,
+                                       block_size=self.block_size, device=device)
             try:
                 self.graphs.capture()
             except torch.OutOfMemoryError:
                 raise
             except RuntimeError as e:  # an op no graph-safe provider takes, or one that syncs inside capture
-
                 log.warning("decode graphs off: capture failed (%s); decode steps run eagerly", e)
                 self.graphs = None
             else:
-                swaps = {**graph_substitutions(), "attention": (type(self.attn).__name__, type(decode_attn).__name__)}
+                swaps = {**graph_substitutions(),
+                         "attention": (type(self.attn).__name__, type(decode_attns[0]).__name__)}
                 swapped = "; ".join(f"{op}: {eager} eagerly, {captured} in graphs"
                                     for op, (eager, captured) in swaps.items() if eager != captured)
                 log.info("captured decode graphs for batch sizes %s in %.1f s%s", self.graphs.buckets,
                          time.perf_counter() - start, f" ({swapped}: not graph-safe)" if swapped else "")
 
-    def _graph_attention(self, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
-                         device: torch.device) -> AttentionBackend | None:
-        """The attention backend captured decode steps use: the eager one when it is graph-safe, else the first
+    @property
+    def attn(self) -> AttentionBackend:
+        """The attention provider (every cache group runs the same one: they share the cache tensors)."""
+        return self.attns[0]
+
+    def _slot_shapes(self, layers: list[AttentionLayer]) -> list[tuple[int, int]]:
+        shapes: dict[int, tuple[int, int]] = {}
+        for group in self.layout.groups:
+            for j, i in enumerate(group.layers):
+                shapes[j] = (layers[i].num_kv_heads, layers[i].head_size)
+        return [shapes[j] for j in range(len(shapes))]
+
+    def _group_backends(self, layers: list[AttentionLayer], dtype: torch.dtype,
+                        device: torch.device) -> list[AttentionBackend]:
+        """One backend per cache group, all of the provider chosen for the whole model."""
+        first = ATTENTION(layers, self.block_size, dtype, device)
+        if len(self.layout.groups) == 1:
+            return [first]
+        return [type(first)([layers[i] for i in g.layers], self.block_size, dtype, device)
+                for g in self.layout.groups]
+
+    def _graph_attention(self, layers: list[AttentionLayer], dtype: torch.dtype,
+                         device: torch.device) -> list[AttentionBackend] | None:
+        """The attention backends captured decode steps use: the eager ones when graph-safe, else the first
         graph-safe provider that takes this configuration and reads the same cache layout (None: no graphs)."""
         if self.attn.supports_graphs:
-            return self.attn
+            return self.attns
         try:
             with graph_phase():
-                decode_attn = ATTENTION(layers, block_size, dtype, device)
+                decode_attns = self._group_backends(layers, dtype, device)
         except GraphUnsafeError as e:
             log.warning("decode graphs off: %s", e)
             return None
-        same_layout = all(decode_attn.kv_cache_shape(2, block_size, layer.num_kv_heads, layer.head_size)
-                          == self.attn.kv_cache_shape(2, block_size, layer.num_kv_heads, layer.head_size)
-                          for layer in layers)
-        if not same_layout:
+        shapes = self._slot_shapes(layers)
+        if any(decode_attns[0].kv_cache_shape(2, self.block_size, hk, d)
+               != self.attn.kv_cache_shape(2, self.block_size, hk, d) for hk, d in shapes):
             log.warning("decode graphs off: %s (graph-safe) keeps its KV cache in another layout than %s",
-                        type(decode_attn).__name__, type(self.attn).__name__)
+                        type(decode_attns[0]).__name__, type(self.attn).__name__)
             return None
-        return decode_attn
+        return decode_attns
 
     def graphs_match_eager(self) -> str | None:
         """The start-up check of capture itself (DecodeGraphs.replay_matches_eager) on the pool's first blocks,
@@ -164,20 +188,21 @@ class ModelRunner:
         rows = torch.tensor([self.block_tables.row_of(r) for r in reqs])
         seq_lens = [s + n for s, n in zip(starts, counts)]
         max_seq_len = max(seq_lens)
-        block_tables = self.block_tables.table[rows, :-(-max_seq_len // self.block_size)]
-        slots = block_tables[seq_of_token, positions // self.block_size].long() * self.block_size
-        slots += positions % self.block_size
+        bs = self.block_size
+        block_tables = self.block_tables.table[:, rows, :-(-max_seq_len // bs)]  # (groups, B, blocks)
+        slots = block_tables[:, seq_of_token, positions // bs].long() * bs + positions % bs  # (groups, T)
 
         dev = self.device
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
         if self.graphs is not None and num_tokens == len(reqs) and self.graphs.bucket_for(num_tokens):
             hidden = self.graphs.run(torch.tensor(flat), positions, seq_lens_t, block_tables, slots, max_seq_len)
         else:
-            meta = AttentionMetadata(
-                query_start_loc=qsl.to(dev), seq_lens=seq_lens_t.to(dev), block_tables=block_tables.to(dev),
-                slot_mapping=slots.to(dev), max_query_len=max(counts), max_seq_len=max_seq_len,
-                query_start_loc_host=qsl)
-            self.attn.plan(meta)
+            qsl_dev, seq_lens_dev = qsl.to(dev), seq_lens_t.to(dev)
+            for attn, tables, group_slots in zip(self.attns, block_tables, slots):
+                attn.plan(AttentionMetadata(
+                    query_start_loc=qsl_dev, seq_lens=seq_lens_dev, block_tables=tables.to(dev),
+                    slot_mapping=group_slots.to(dev), max_query_len=max(counts), max_seq_len=max_seq_len,
+                    query_start_loc_host=qsl))
             hidden = self.model.forward(torch.tensor(flat).to(dev), positions.to(dev), self.ctx)
 
         sample_reqs, indices = [], []

@@ -34,7 +34,8 @@ class Request:
     token_ids: list[int] = field(init=False)  # prompt then outputs
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per cache group (core/kv_cache_manager.py)
+    num_indexed_blocks: int = 0  # leading full blocks already in the prefix-cache index
     block_hashes: list[bytes] = field(default_factory=list)  # chained sha256 keys of the full blocks
     finish_reason: str | None = None
     stop_reason: int | str | None = None

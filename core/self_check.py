@@ -62,7 +62,7 @@ def _record_calls(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
     with intercept_calls(record):
         attn.plan(meta)
-        hidden = model.forward(ids, positions, ForwardContext(attn, caches))
+        hidden = model.forward(ids, positions, ForwardContext([attn], caches))
         model.compute_logits(hidden[-2:])
     return calls
 

@@ -174,10 +174,13 @@ ATTENTION = Op("attention", NativeAttention, native_graph_safe=False,  # plans o
 
 @dataclass
 class ForwardContext:
-    """What a model's attention layers need during one forward: the planned backend and the per-layer caches."""
-    backend: AttentionBackend
-    kv_caches: list[torch.Tensor]
+    """What a model's attention layers need during one forward: the planned backends (one per KV cache group: the
+    groups have their own block tables), each layer's cache, and which backend serves a layer under which index."""
+    backends: list[AttentionBackend]
+    kv_caches: list[torch.Tensor]  # per attention layer
+    route: list[tuple[int, int]] | None = None  # per layer: (backend, layer index there); None: backend 0, same
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-        return self.backend.forward(layer_idx, q, k, v, self.kv_caches[layer_idx], sinks)
+        group, index = (0, layer_idx) if self.route is None else self.route[layer_idx]
+        return self.backends[group].forward(index, q, k, v, self.kv_caches[layer_idx], sinks)

@@ -90,10 +90,14 @@ class SparseMoe(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32):
+    """weight_offset: a checkpoint that stores the scale as an offset (Gemma's 1 + w) is loaded as the scale."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32, weight_offset: float = 0.0):
         super().__init__()
         self.weight = _param(size, dtype=dtype)
         self.eps = eps
+        if weight_offset:
+            self.weight.weight_loader = lambda param, tensor, shard=None: _default_loader(param, tensor + weight_offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:

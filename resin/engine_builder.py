@@ -11,7 +11,7 @@ import torch
 
 from resin.core.config import EngineConfig, default_kv_cache_bytes, parse_bytes
 from resin.core.engine import LLMEngine, LogitsObserver
-from resin.core.model_runner import kv_bytes_per_block
+from resin.core.cache_layout import plan_cache_layout
 from resin.core.provider_check import SelfCheckReport
 from resin.core.self_check import SelfCheckError, run_self_check
 from resin.hal import Selection, select_backend
@@ -123,11 +123,13 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
     budget = (parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None
               else default_kv_cache_bytes(free_memory(selection), on_gpu=selection.platform.kind != "cpu"))
-    per_block = kv_bytes_per_block(loaded.model.attention_layers, args.block_size, dtype)
-    num_blocks = budget // per_block
+    layout = plan_cache_layout(loaded.model.attention_layers, args.block_size, dtype)
+    num_blocks = budget // layout.page_bytes - 1  # one more page, the null page, is allocated beside the pool
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block ({per_block} bytes each): raise it")
-    capacity = num_blocks * args.block_size
+        raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block ({layout.page_bytes} bytes each, "
+                         f"2 at least): raise it")
+    max_batched = args.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+    capacity = layout.capacity_tokens(num_blocks, max_batched, max(max_model_len, num_blocks * args.block_size))
     if max_model_len > capacity:
         if args.max_model_len is not None:
             raise ValueError(f"max_model_len={max_model_len} needs {max_model_len} tokens of KV cache but "
@@ -138,17 +140,19 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
     config = EngineConfig(
         max_model_len=max_model_len, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(max_model_len, 8192)),
+        max_num_batched_tokens=max_batched,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
         graphs=args.enable_graphs and selection.platform.supports_graphs)
     engine = LLMEngine(loaded.model, config, vocab_size=loaded.model.config.vocab_size, dtype=dtype,
                        device=selection.platform.device, num_blocks=num_blocks, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids(tokenizer, loaded.hf_config, gen_config),
                        logits_observer=logits_observer)
-    log.info("backend %s on %s (%s), dtype %s; KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB)",
-             selection.backend.name, selection.platform.device_name, selection.platform.arch,
-             str(dtype).removeprefix("torch."), num_blocks, args.block_size, num_blocks * args.block_size,
-             num_blocks * per_block / (1 << 20))
+    log.info("backend %s on %s (%s), dtype %s; KV cache: %d pages x %d tokens (%.1f MiB) hold %d tokens of one "
+             "sequence", selection.backend.name, selection.platform.device_name, selection.platform.arch,
+             str(dtype).removeprefix("torch."), num_blocks, args.block_size,
+             (num_blocks + 1) * layout.page_bytes / (1 << 20), engine.capacity_tokens)
+    for line in layout.describe(loaded.model.attention_layers, dtype):
+        log.info("KV cache, %s", line)
     if check is not None and engine.runner.graphs is not None:
         mismatch = engine.runner.graphs_match_eager()
         if mismatch:

@@ -19,6 +19,14 @@ TINY_FAMILY = {
     "MixtralForCausalLM": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=32),
     "Qwen3MoeForCausalLM": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                                 decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True),
+    # sliding-window families: windows shorter than the test prompts, soft-caps low enough to bend the logits
+    "Gemma2ForCausalLM": dict(sliding_window=12, query_pre_attn_scalar=32, attn_logit_softcapping=4.0,
+                              final_logit_softcapping=3.0),
+    "Gemma3ForCausalLM": dict(num_hidden_layers=3, sliding_window=10, query_pre_attn_scalar=32,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                               "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                  "rope_theta": 1000000.0}}),
 }
 
 

@@ -82,12 +82,11 @@ def test_preemption_then_resume_gives_same_tokens(arch, tiny_models):
     folder, hf = tiny_models[arch]
     prompts = prompts_of([30, 25, 20, 35], 211, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    roomy = LLM(str(folder), dtype="float32", kv_cache_memory="8MiB").generate(prompts, params, use_tqdm=False)
-    c = hf.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    per_block = c.num_hidden_layers * 2 * 16 * c.num_key_value_heads * head_dim * 4  # (k, v), 16 tokens, fp32
+    roomy_llm = LLM(str(folder), dtype="float32", kv_cache_memory="8MiB")
+    roomy = roomy_llm.generate(prompts, params, use_tqdm=False)
+    page = roomy_llm.engine.layout.page_bytes  # one block of every layer of a cache group
     rec = LogitsRecorder()
-    tight = make_llm(folder, rec, kv_cache_memory=per_block * 12)  # 12 blocks: not enough for all four at once
+    tight = make_llm(folder, rec, kv_cache_memory=page * 13)  # 12 pages and the null page: not all four at once
     outs = run_and_compare(tight, rec, hf, prompts, max_tokens=24, tol=TOL)
     assert tight.engine.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]

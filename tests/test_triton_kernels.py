@@ -83,14 +83,22 @@ def test_activations(dtype, shape):
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,head_size,rot_dim", [(3, 1, 40, 40), (4, 2, 64, 32), (5, 5, 24, 16)])
-def test_rotary(dtype, is_neox, heads, kv_heads, head_size, rot_dim):
+@pytest.mark.parametrize("fused", [False, True])
+def test_rotary(dtype, is_neox, heads, kv_heads, head_size, rot_dim, fused):
     cache = hal.rope_cos_sin_cache(rot_dim, 97, 10000.0, None)
     pos = torch.randint(0, 97, (11,))
-    q, k = torch.randn(11, heads * head_size).to(dtype), torch.randn(11, kv_heads * head_size).to(dtype)
+    if fused:  # q and k as models pass them: views into one fused q|k|v row per token (row stride > width)
+        qkv = torch.randn(11, (heads + 2 * kv_heads) * head_size).to(dtype)
+        q, k, _ = qkv.split([heads * head_size, kv_heads * head_size, kv_heads * head_size], dim=-1)
+        before = qkv.clone()
+    else:
+        q, k = torch.randn(11, heads * head_size).to(dtype), torch.randn(11, kv_heads * head_size).to(dtype)
     got = rotary.rotary(pos, q, k, cache, head_size, is_neox)
     ref = hal.ROTARY.native(pos, q, k, cache, head_size, is_neox)
     close(got[0], ref[0])
     close(got[1], ref[1])
+    if fused:
+        assert torch.equal(qkv, before)  # out of place: the fused row is left as it was
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)

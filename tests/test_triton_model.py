@@ -31,7 +31,7 @@ def triton_ops():
     deactivate()
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM"])
 def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops, arch):
     hf = save_tiny(tmp_path, arch, seed=3, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
                    head_dim=16, hidden_size=48)
@@ -43,6 +43,8 @@ def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops, a
                        num_blocks=24, logits_observer=rec)
     graphs = engine.runner.graphs
     assert type(engine.runner.attn).__name__ == "TritonAttention" and graphs is not None
+    if arch == "Gemma2ForCausalLM":  # a sliding-window group and a full one, each with its own tables in graphs
+        assert len(engine.runner.attns) == 2 and engine.runner.attns[0].layers[0].sliding_window == 12
     if arch == "Qwen3MoeForCausalLM":  # routing and experts run the triton MoE kernels too
         assert hal.MOE_ROUTE.providers["triton"] in hal.registry._ACTIVE["moe_route"]
     assert graphs.buckets == [1, 2, 4]
@@ -119,7 +121,7 @@ def test_decode_graphs_stay_on_with_aiter_first_on_a_faked_gfx942(tmp_path, capl
         # the self-check covers both: aiter's attention for eager steps, the Triton kernel for captured ones
         report = run_self_check(loaded.model, torch.float32, KERNEL_DEVICE, 16, "strict")
         assert {("attention", "aiter"), ("attention", "triton")} <= {(c.op, c.provider) for c in report.checks}
-        assert type(runner.graphs.attn).__name__ == "TritonAttention"
+        assert type(runner.graphs.attns[0]).__name__ == "TritonAttention"
         assert "attention: EagerOnlyAttention eagerly, TritonAttention in graphs" in caplog.text
         EagerOnlyAttention.forwards = 0
         prompts = [[7, 3, 9, 1], [4, 4, 8, 2, 6, 1, 3]]
