@@ -74,8 +74,10 @@ def bind(launch: Launch, target: Target) -> Spec:
     fn = launch.fn
     backend = make_backend(target.gpu_target())
     binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = {**launch.kwargs, "debug": False, "instrumentation_mode": knobs.compilation.instrumentation_mode,
-              "fpsan_homomorphic_casts": knobs.compilation.fpsan_homomorphic_casts}
+    # the launch options this Triton release knows (fpsan_homomorphic_casts is newer than 3.6)
+    options = {name: getattr(knobs.compilation, name) for name in ("instrumentation_mode", "fpsan_homomorphic_casts")
+               if hasattr(knobs.compilation, name)}
+    kwargs = {**launch.kwargs, "debug": False, **options}
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
     return Spec(target.name, fn.fn.__module__, fn.__name__, tuple(signature.items()),

@@ -121,6 +121,7 @@ _STAND_INS: dict[str, Callable[..., torch.Tensor]] = {
     "linear": lambda x, weight, *args, **kwargs: x.new_zeros(*x.shape[:-1], weight.shape[0]),
     "fp8_linear": lambda x, weight, *args, **kwargs: x.new_zeros(*x.shape[:-1], weight.shape[0]),
     "fused_moe": lambda x, *args, **kwargs: torch.zeros_like(x),
+    "gated_delta_rule": lambda q, k, v, *args, **kwargs: torch.zeros_like(v),  # a token-by-token loop
 }
 
 

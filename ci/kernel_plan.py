@@ -16,6 +16,7 @@ from resin.ci.kernel_launches import (BLOCK_SIZE, LONG_DECODE, MAX_GRAPH_BATCH, 
 from resin.ci.kernel_shapes import ATTENTION_SHAPES, MODEL_SHAPES, AttentionShape, ModelShape
 from resin.core.graph_runner import DecodeGraphs
 from resin.hal.attention import ATTENTION, ForwardContext
+from resin.hal.recurrent import RecurrentMetadata
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 _GRAPH_CONTEXT_BLOCKS = 8  # block-table width of the captured buckets (the replay plan does not depend on it)
@@ -76,7 +77,10 @@ def _run_model(shape: ModelShape, dtype: torch.dtype, fp8_dtype: torch.dtype | N
     layers = model.attention_layers
     attn = ATTENTION(layers, BLOCK_SIZE, dtype, torch.device("cpu"))
     num_blocks = max(MIXED.num_blocks, LONG_DECODE.num_blocks, MAX_GRAPH_BATCH) + 1
-    ctx = ForwardContext([attn], _kv_caches(attn, layers, num_blocks, dtype))
+    # recurrent layers: a state slot per sequence of the largest graph bucket, and the padding rows' scratch slot
+    states = [layer.allocate(MAX_GRAPH_BATCH + 1, dtype, torch.device("cpu"))
+              for layer in getattr(model, "recurrent_layers", [])]
+    ctx = ForwardContext([attn], _kv_caches(attn, layers, num_blocks, dtype), states=states)
     name = f"{shape.name} {_DTYPE_NAMES[dtype] if fp8_dtype is None else 'fp8'}"
     count = None
     tags = _LayerTag(model, rec)
@@ -86,6 +90,10 @@ def _run_model(shape: ModelShape, dtype: torch.dtype, fp8_dtype: torch.dtype | N
             if phase == "decode" and count_decode:
                 count = rec.counting = StepCount()
             attn.plan(batch.meta)
+            if states:
+                seqs = len(batch.q_lens)
+                ctx.recurrent = RecurrentMetadata(batch.meta.query_start_loc, torch.arange(seqs, dtype=torch.int32),
+                                                  torch.tensor(batch.ctx_lens) > 0, max(batch.q_lens) == 1)
             model(batch.input_ids, batch.positions, ctx)
             rec.counting = None
         rec.origin = f"{name} graph buckets"

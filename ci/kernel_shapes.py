@@ -16,6 +16,7 @@ import torch
 from resin.hal.attention import AttentionLayer
 
 GPU_DTYPES = (torch.bfloat16, torch.float16)
+BF16_ONLY = (torch.bfloat16,)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,24 @@ MODEL_SHAPES: tuple[ModelShape, ...] = (
                       mlp_only_layers=[], decoder_sparse_step=1), 94),
     ModelShape("Mixtral-8x7B", "MixtralForCausalLM",
                _dense(4096, 14336, 32, 8, 128, num_local_experts=8, num_experts_per_tok=2), 32),
+    # one sliding and one full layer each: both kinds of layer launch (bf16 only: their fp16 specialisations differ
+    # from these in the dtype alone, which the shapes above already compile)
+    ModelShape("gemma-2-9b", "Gemma2ForCausalLM",
+               _dense(3584, 14336, 16, 8, 256, sliding_window=4096, query_pre_attn_scalar=256,
+                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0), 42, dtypes=BF16_ONLY),
+    ModelShape("gemma-3-27b", "Gemma3ForCausalLM",
+               _dense(5376, 21504, 32, 16, 128, sliding_window=1024, query_pre_attn_scalar=168,
+                      layer_types=["sliding_attention", "full_attention"], rope_parameters=None), 62,
+               dtypes=BF16_ONLY),
+    ModelShape("gpt-oss-20b", "GptOssForCausalLM",
+               _dense(2880, 2880, 64, 8, 64, sliding_window=128, num_local_experts=32, num_experts_per_tok=4), 24,
+               dtypes=BF16_ONLY),
+    # a Gated DeltaNet layer and a gated full-attention one (the real model has 36 and 12)
+    ModelShape("Qwen3-Next-80B-A3B", "Qwen3NextForCausalLM",
+               _dense(2048, 5120, 16, 2, 256, linear_num_key_heads=16, linear_num_value_heads=32,
+                      linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+                      num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                      mlp_only_layers=[], layer_types=["linear_attention", "full_attention"]), 48, dtypes=BF16_ONLY),
 )
 
 

@@ -1,7 +1,8 @@
 """A step's stages with failures contained: what fails takes down only the requests it belongs to.
 
 A failed forward over a batch is retried one sequence at a time (each rewrites its own KV slots with the same
-values), and a failed batch draw is redone row by row from the generator states it started with, so greedy and
+values). A recurrent state is updated in place, so a sequence that continued one cannot be retried: the failed
+forward may already have advanced it; such sequences compute again from the start, as after preemption. And a failed batch draw is redone row by row from the generator states it started with, so greedy and
 seeded rows get exactly what a clean step would have given them (unseeded rows draw fresh noise: equally valid).
 `failed` collects request id -> error.
 
@@ -33,7 +34,8 @@ def device_healthy(device: torch.device) -> bool:
 
 def execute_contained(runner: ModelRunner, batch: ScheduledBatch, failed: dict[str, str]) -> RunnerOutput:
     """The forward; if it fails, each sequence runs alone (its KV slots are rewritten with the same values)
-    so that only the sequences that fail on their own are lost."""
+    so that only the sequences that fail on their own are lost. Sequences continuing a recurrent state come back
+    in `recompute` instead."""
     try:
         return runner.execute(batch)
     except Exception as e:  # noqa: BLE001
@@ -46,7 +48,11 @@ def execute_contained(runner: ModelRunner, batch: ScheduledBatch, failed: dict[s
         log.warning("model step over %d sequences failed (%r): retrying each alone", len(batch), e)
     parts = []
     for seq, n in zip(batch.requests, batch.num_new_tokens):
-        if seq.parent_id not in failed:
+        if seq.parent_id in failed:
+            continue
+        if runner.states and seq.num_computed_tokens > 0:  # its state may hold this step's tokens already
+            parts.append(RunnerOutput([], None, recompute=[seq]))
+        else:  # a fresh sequence's state is zeroed again by the retry
             parts.append(execute_contained(runner, ScheduledBatch([seq], [n]), failed))
     return RunnerOutput.concat(parts)
 

@@ -1,7 +1,8 @@
 """LLMEngine: requests in, one scheduled step at a time, RequestOutputs out.
 
 A request with n > 1 fans out into n sequences: the first computes the prompt, the others fork from it once
-it has and find its full blocks in the prefix cache (with prefix caching off, each recomputes the prompt).
+it has and find its full blocks in the prefix cache (with prefix caching off, each recomputes the prompt; a model
+with recurrent state copies its parent's state and blocks instead).
 Outputs are reported per request with one CompletionOutput per sequence, cumulative, as deltas, or only at the
 end (SamplingParams.output_kind).
 """
@@ -63,7 +64,16 @@ class LLMEngine:
                              f"{fits} tokens of one sequence): raise kv_cache_memory or lower max_model_len")
         self.capacity_tokens = self.layout.capacity_tokens(num_blocks, chunk, max(config.max_model_len,
                                                                                   num_blocks * config.block_size))
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, self.layout.groups)
+        recurrent = getattr(model, "recurrent_layers", [])
+        caching = config.enable_prefix_caching
+        if recurrent and caching:
+            # A cached block holds KV, not the recurrent state after it; rebuilding that state needs the whole prefix
+            # anyway. (Snapshots of the state at block boundaries would make hits possible: not built yet.)
+            log.info("prefix caching off: %d of the model's layers keep a recurrent state per sequence, which cached "
+                     "KV blocks cannot restore", len(recurrent))
+            caching = False
+        self.kv = KVCacheManager(num_blocks, config.block_size, caching, self.layout.groups,
+                                 num_state_slots=config.max_num_seqs if recurrent else 0)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.layout, num_blocks, config.max_num_seqs, config.max_model_len, dtype,
                                   device,
@@ -184,6 +194,10 @@ class LLMEngine:
             return []
         failed: dict[str, str] = {}  # group id -> error
         out = execute_contained(self.runner, batch, failed)
+        recompute = {id(seq) for seq in out.recompute}
+        for seq in out.recompute:  # back to the queue to compute again from the start, as if preempted
+            self.scheduler.preempt(seq)
+            self.runner.release(seq)
         rows, row_of = self._sample_rows(out, failed)
         sampled = []
         if rows:
@@ -194,7 +208,7 @@ class LLMEngine:
                 self.logits_observer(rows, logits)
             sampled = sample_contained(self.sampler, logits, rows, failed)
         for seq, n in zip(batch.requests, batch.num_new_tokens):
-            if seq.parent_id not in failed:
+            if seq.parent_id not in failed and id(seq) not in recompute:
                 seq.num_computed_tokens += n
                 self.kv.cache_full_blocks(seq)  # before any finish frees them, so later requests can reuse them
         for seq, start, hidden in out.prompt_chunks:
@@ -263,14 +277,21 @@ class LLMEngine:
 
     def _fork(self, group: RequestGroup) -> None:
         """Sequence 0 has computed the prompt and every sibling drew its first token from the same logits: the
-        siblings now join the queue ahead of new requests and find the prompt's full blocks in the prefix cache
-        (only the last partial block is computed again), instead of all n computing the whole prompt at once.
-        The sharing goes through the cache, not a copy of the block table: with prefix caching off, or once those
-        blocks were evicted, a sibling recomputes the prompt (correct, only slower)."""
+        siblings now join the queue ahead of new requests. With prefix caching they find the prompt's full blocks
+        in the cache (only the last partial block is computed again). A model with recurrent state has no prefix
+        caching; its siblings are forked here instead: the prompt's full blocks shared, the partial block and the
+        state copied, so none recomputes the prompt. Without a free block or slot a sibling recomputes it."""
         self._num_unforked -= len(group.unforked)
-        for seq in reversed(group.unforked):
-            if not seq.finished:
-                self.scheduler.add_front(seq)
+        parent = group.seqs[0]
+        siblings = [seq for seq in group.unforked if not seq.finished]
+        if self.kv.has_state and not self.kv.enable_prefix_caching and parent.block_ids:
+            for seq in siblings:  # in order, so the forked ones queue ahead of any that must recompute
+                forked = self.kv.fork(parent, seq)
+                if forked is not None:
+                    pages, slot = forked
+                    self.runner.copy_for_fork(pages, parent.state_slot, slot)
+        for seq in reversed(siblings):
+            self.scheduler.add_front(seq)
         group.unforked = []
 
     def _fail(self, group: RequestGroup, error: str) -> RequestOutput:

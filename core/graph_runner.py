@@ -16,6 +16,7 @@ import torch
 from resin.core.provider_check import compare
 from resin.hal.attention import AttentionBackend, AttentionMetadata, ForwardContext, step_metadata
 from resin.hal.graphs import CAPTURE_GRAPH, StepGraph
+from resin.hal.recurrent import RecurrentMetadata
 from resin.hal.registry import DEFAULT_TOLERANCE, graph_phase
 
 Forward = Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]
@@ -43,6 +44,10 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.query_start_loc_host = torch.arange(n + 1, dtype=torch.int32)  # decode-only: offsets are 0..n
         self.block_tables = torch.full((groups, n, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        # recurrent layers: each row's state slot; padding rows use the last slot, which no sequence owns
+        self.scratch_slot = ctx.states[0][0].shape[0] - 1 if ctx.states else 0
+        self.state_slots = torch.full((n,), self.scratch_slot, dtype=torch.int32, device=device)
+        self.continues = torch.ones(n, dtype=torch.bool, device=device)  # a decode step always continues a state
         self.hidden: torch.Tensor | None = None  # (n, hidden_size), sized by a warm-up forward in capture()
         self.graphs: dict[int, StepGraph] = {}
         self.replays = 0
@@ -52,6 +57,9 @@ class DecodeGraphs:
         return self.ctx.backends
 
     def _plan_for_replay(self, bs: int, max_seq_len: int) -> None:
+        if self.ctx.states:
+            self.ctx.recurrent = RecurrentMetadata(self.query_start_loc[:bs + 1], self.state_slots[:bs],
+                                                   self.continues[:bs], decode_only=True)
         for g, attn in enumerate(self.attns):
             attn.plan_for_replay(bs, AttentionMetadata(
                 query_start_loc=self.query_start_loc[:bs + 1], seq_lens=self.seq_lens[:bs],
@@ -94,14 +102,23 @@ class DecodeGraphs:
         tables = torch.arange(groups * n * per_seq, dtype=torch.int32).view(groups, n, per_seq)
         dev = self.input_ids.device
         positions = torch.cat([torch.arange(c) for c in ctx_lens])
+        state_slots = torch.arange(n, dtype=torch.int32)
         with graph_phase():
             for attn, group_tables in zip(self.attns, tables):
                 attn.plan(step_metadata(group_tables, ctx_lens, [0] * n, bs, dev))
+            if self.ctx.states:
+                qsl = torch.zeros(n + 1, dtype=torch.int32)
+                qsl[1:] = torch.cumsum(torch.tensor(ctx_lens), 0)
+                self.ctx.recurrent = RecurrentMetadata(qsl.to(dev), state_slots.to(dev),
+                                                       torch.zeros(n, dtype=torch.bool, device=dev), False)
             self.forward((positions % 7).to(dev), positions.to(dev), self.ctx)
         step = torch.tensor(ctx_lens)
         slots = tables[:, torch.arange(n), step // bs].long() * bs + step % bs
+        states = [s.clone() for layer in self.ctx.states for s in layer]  # the eager run starts from these too
         replayed = self.run(torch.arange(n), step, (step + 1).to(torch.int32), tables, slots,
-                            max(ctx_lens) + 1).clone()
+                            max(ctx_lens) + 1, state_slots).clone()
+        for saved, s in zip(states, (s for layer in self.ctx.states for s in layer)):
+            s.copy_(saved)
         padded = self.bucket_for(n)
         with graph_phase():  # the plan run() made for the bucket still holds
             eager = self.forward(self.input_ids[:padded], self.positions[:padded], self.ctx)[:n]
@@ -112,9 +129,11 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor,
-            block_tables: torch.Tensor, slot_mapping: torch.Tensor, max_seq_len: int) -> torch.Tensor:
-        """One decode step for n sequences (CPU tensors from the runner; block_tables (groups, n, width) and
-        slot_mapping (groups, n)): refill, replay, return (n, hidden)."""
+            block_tables: torch.Tensor, slot_mapping: torch.Tensor, max_seq_len: int,
+            state_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode step for n sequences (CPU tensors from the runner; block_tables (groups, n, width),
+        slot_mapping (groups, n), and each sequence's state slot if the model has recurrent layers): refill,
+        replay, return (n, hidden)."""
         n = input_ids.shape[0]
         bs = self.bucket_for(n)
         assert bs is not None, "batch larger than the largest captured bucket"
@@ -124,12 +143,15 @@ class DecodeGraphs:
         self.slot_mapping[:, :n].copy_(slot_mapping, non_blocking=True)
         width = block_tables.shape[-1]
         self.block_tables[:, :n, :width].copy_(block_tables, non_blocking=True)
+        if state_slots is not None:
+            self.state_slots[:n].copy_(state_slots, non_blocking=True)
         if bs > n:  # padding rows: one token at position 0 of the scratch block
             self.input_ids[n:bs].zero_()
             self.positions[n:bs].zero_()
             self.seq_lens[n:bs].fill_(1)
             self.slot_mapping[:, n:bs].fill_(self.scratch_block * self.block_size)
             self.block_tables[:, n:bs, 0].fill_(self.scratch_block)
+            self.state_slots[n:bs].fill_(self.scratch_slot)
         self._plan_for_replay(bs, max_seq_len)
         self.graphs[bs].replay()
         self.replays += 1

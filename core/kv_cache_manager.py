@@ -1,8 +1,11 @@
-"""KVCacheManager: which pages each request holds in each cache group, prefix-cache lookups, and freeing.
+"""KVCacheManager: which pages each request holds in each cache group, its recurrent-state slot, prefix-cache
+lookups, and freeing.
 
 A request holds one block list per cache group (core/cache_layout.py). A sliding-window group drops the blocks
 that fell out of its window before each step: they go back to the pool (still indexed by the prefix cache until
 reused) and the request's list keeps NULL_BLOCK in their place, so block positions still map to token positions.
+A model with recurrent layers also gives each running request a state slot (there is one per max_num_seqs, so a
+running request always finds one); a preempted request gives its slot back and recomputes its state.
 """
 from __future__ import annotations
 
@@ -21,8 +24,10 @@ def _group_key(block_hash: bytes, group: int) -> bytes:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 groups: tuple[CacheGroup, ...] = (CacheGroup(None, ()),)):
+                 groups: tuple[CacheGroup, ...] = (CacheGroup(None, ()),), num_state_slots: int = 0):
         self.block_size = block_size
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
+        self.has_state = num_state_slots > 0
         self.pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = [g.window for g in groups]
@@ -75,6 +80,10 @@ class KVCacheManager:
         sliding window no longer sees are dropped first, so they can serve this very allocation."""
         if not req.block_ids:
             req.block_ids = [[] for _ in self.windows]
+        if self.has_state and req.state_slot is None:
+            if not self.free_state_slots:  # every slot is held (running sequences, forked siblings waiting)
+                return False
+            req.state_slot = self.free_state_slots.pop()
         self._drop_out_of_window(req)
         total = self.blocks_needed(req.num_computed_tokens + num_new_tokens)
         needs = [max(0, total - len(held)) for held in req.block_ids]
@@ -101,6 +110,32 @@ class KVCacheManager:
             if dead - 1 > i:
                 self.pool.free(held[i + 1:dead][::-1])
                 held[i + 1:dead] = [NULL_BLOCK] * (dead - 1 - i)
+
+    def fork(self, parent: Request, child: Request) -> tuple[list[tuple[int, int]], int] | None:
+        """Give `child` what `parent` computed of their shared prompt, without recomputing it: the full blocks
+        shared (one more reference each), a fresh copy of the partial last block, and a state slot of its own.
+        Returns the (source, destination) pages and the child's slot for the runner to copy into, or None when
+        the pool has no block or no slot to spare (the child then recomputes the prompt: correct, slower)."""
+        computed = parent.num_computed_tokens
+        full, partial = divmod(computed, self.block_size)
+        if self.has_state and not self.free_state_slots:
+            return None
+        try:
+            fresh = self.pool.allocate(len(self.windows) if partial else 0)
+        except OutOfBlocks:
+            return None
+        child.block_ids, copies = [], []
+        for held in parent.block_ids:
+            shared = held[:full]
+            self.pool.touch([b for b in shared if b != NULL_BLOCK])
+            child.block_ids.append(list(shared))
+            if partial:
+                copies.append((held[full], fresh[len(copies)]))
+                child.block_ids[-1].append(copies[-1][1])
+        if self.has_state:
+            child.state_slot = self.free_state_slots.pop()
+        child.num_computed_tokens = computed
+        return copies, child.state_slot
 
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.pool.num_free
@@ -129,6 +164,9 @@ class KVCacheManager:
             self.pool.free([b for b in reversed(held) if b != NULL_BLOCK])
         req.block_ids = []
         req.num_indexed_blocks = 0
+        if req.state_slot is not None:
+            self.free_state_slots.append(req.state_slot)
+            req.state_slot = None
 
     @property
     def usage(self) -> float:

@@ -19,7 +19,8 @@ from resin.core.graph_runner import DecodeGraphs
 from resin.core.kv_cache_manager import NULL_BLOCK
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
-from resin.hal import ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext
+from resin.hal import (ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext,
+                       RecurrentMetadata)
 from resin.hal.registry import GraphUnsafeError, graph_phase, graph_substitutions
 
 log = logging.getLogger("resin.runner")
@@ -27,6 +28,7 @@ log = logging.getLogger("resin.runner")
 
 class CausalLM(Protocol):
     attention_layers: list[AttentionLayer]
+    # and, for families with per-sequence recurrent state: recurrent_layers: list[RecurrentLayer]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
 
@@ -74,12 +76,14 @@ class RunnerOutput:
     # (request, first prompt position, hidden states of the positions whose next prompt token wants a logprob):
     # hidden, not logits, so the engine can turn them into logits a bounded number of rows at a time.
     prompt_chunks: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)
+    # sequences whose step failed with the batch and must compute again from the start (see core/contained.py)
+    recompute: list[Request] = field(default_factory=list)
 
     @staticmethod
     def concat(parts: list["RunnerOutput"]) -> "RunnerOutput":
         logits = [p.sample_logits for p in parts if p.sample_logits is not None]
         return RunnerOutput([r for p in parts for r in p.sample_requests], torch.cat(logits) if logits else None,
-                            [c for p in parts for c in p.prompt_chunks])
+                            [c for p in parts for c in p.prompt_chunks], [r for p in parts for r in p.recompute])
 
 
 class ModelRunner:
@@ -98,14 +102,18 @@ class ModelRunner:
         slots = [torch.zeros(self.attn.kv_cache_shape(num_blocks + 1, self.block_size, hk, d), dtype=dtype,
                              device=device) for hk, d in self._slot_shapes(model.attention_layers)]
         self.kv_caches = [slots[j] for _, j in route]
+        self.cache_slots = slots
         max_blocks = -(-max_model_len // self.block_size)
         self.block_tables = BlockTableBuffer(len(layout.groups), max_num_seqs, max_blocks, null_page=num_blocks)
-        self.ctx = ForwardContext(self.attns, self.kv_caches, route)
+        # one state slot per running sequence, and one more that graph padding rows use
+        self.states = [layer.allocate(max_num_seqs + 1, dtype, device)
+                       for layer in getattr(model, "recurrent_layers", [])]
+        self.ctx = ForwardContext(self.attns, self.kv_caches, route, self.states)
         self.graphs: DecodeGraphs | None = None
         if decode_attns is not None:
             start = time.perf_counter()
-            self.graphs = DecodeGraphs(model.forward, ForwardContext(decode_attns, self.kv_caches, route),
-                                       graph_batch, max_blocks, scratch_block=num_blocks,
+            decode_ctx = ForwardContext(decode_attns, self.kv_caches, route, self.states)
+            self.graphs = DecodeGraphs(model.forward, decode_ctx, graph_batch, max_blocks, scratch_block=num_blocks,
                                        block_size=self.block_size, device=device)
             try:
                 self.graphs.capture()
@@ -172,6 +180,24 @@ class ModelRunner:
     def release(self, req: Request) -> None:
         self.block_tables.release(req)
 
+    def _zero_states(self, slots: torch.Tensor) -> None:
+        for layer in self.states:
+            for state in layer:
+                state.index_fill_(0, slots, 0)
+
+    @torch.inference_mode()
+    def copy_for_fork(self, pages: list[tuple[int, int]], src_slot: int | None, dst_slot: int | None) -> None:
+        """A forked sequence's own copies: pages (source, destination) in every cache tensor (a page belongs to
+        one group, so copying it in the others' tensors is harmless), and its parent's recurrent state."""
+        if pages:
+            src, dst = (torch.tensor(side, dtype=torch.long, device=self.device) for side in zip(*pages))
+            for cache in self.cache_slots:
+                self.attn.copy_blocks(cache, src, dst)
+        if src_slot is not None and dst_slot is not None:
+            for layer in self.states:
+                for state in layer:
+                    state[dst_slot].copy_(state[src_slot])
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
         reqs, counts = batch.requests, batch.num_new_tokens
@@ -194,10 +220,21 @@ class ModelRunner:
 
         dev = self.device
         seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        state_slots = None
+        if self.states:
+            state_slots = torch.tensor([r.state_slot for r in reqs], dtype=torch.int32)
+            fresh = [r.state_slot for r, s in zip(reqs, starts) if s == 0]
+            if fresh:  # a reused slot holds its last owner's state: a sequence that starts here starts from zeros
+                self._zero_states(torch.tensor(fresh, dtype=torch.long, device=dev))
         if self.graphs is not None and num_tokens == len(reqs) and self.graphs.bucket_for(num_tokens):
-            hidden = self.graphs.run(torch.tensor(flat), positions, seq_lens_t, block_tables, slots, max_seq_len)
+            hidden = self.graphs.run(torch.tensor(flat), positions, seq_lens_t, block_tables, slots, max_seq_len,
+                                     state_slots)
         else:
             qsl_dev, seq_lens_dev = qsl.to(dev), seq_lens_t.to(dev)
+            if self.states:
+                self.ctx.recurrent = RecurrentMetadata(qsl_dev, state_slots.to(dev),
+                                                       torch.tensor([s > 0 for s in starts], device=dev),
+                                                       decode_only=max(counts) == 1)
             for attn, tables, group_slots in zip(self.attns, block_tables, slots):
                 attn.plan(AttentionMetadata(
                     query_start_loc=qsl_dev, seq_lens=seq_lens_dev, block_tables=tables.to(dev),

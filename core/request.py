@@ -36,6 +36,7 @@ class Request:
     num_cached_tokens: int = 0  # of those, how many came from the prefix cache at admission
     block_ids: list[list[int]] = field(default_factory=list)  # per cache group (core/kv_cache_manager.py)
     num_indexed_blocks: int = 0  # leading full blocks already in the prefix-cache index
+    state_slot: int | None = None  # its recurrent-state slot while running (models with recurrent layers)
     block_hashes: list[bytes] = field(default_factory=list)  # chained sha256 keys of the full blocks
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -69,13 +69,18 @@ class Scheduler:
             break  # req itself was preempted; everything after it already went too
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            req.num_computed_tokens = req.num_cached_tokens = self.kv.admit_cached_prefix(req)
+            forked = bool(req.block_ids)  # a sibling given its parent's prompt blocks (and state) at the fork
+            if not forked:
+                req.num_computed_tokens = req.num_cached_tokens = self.kv.admit_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate(req, n):
                 self.kv.free(req)  # drop the prefix-cache references; the blocks stay cached and evictable
-                req.num_computed_tokens = req.num_cached_tokens = 0
+                req.num_computed_tokens = req.num_cached_tokens = 0  # a forked sibling now recomputes
+                if not self.running and self._unfork_waiting():
+                    continue  # nothing running would ever free what the waiting forks hold: try again
                 break
-            self.kv.count_prefix_query(req)
+            if not forked:
+                self.kv.count_prefix_query(req)
             self.waiting.popleft()
             req.status = Status.RUNNING
             self.running.append(req)
@@ -85,7 +90,20 @@ class Scheduler:
         batch.requests = planned
         return batch
 
-    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
+    def _unfork_waiting(self) -> bool:
+        """Free the blocks and state slots of waiting forked siblings (they will recompute their prompts).
+        True if there were any."""
+        forked = [r for r in self.waiting if r.block_ids]
+        for r in forked:
+            self.kv.free(r)
+            r.num_computed_tokens = r.num_cached_tokens = 0
+        return bool(forked)
+
+    def preempt(self, req: Request) -> None:
+        """Back to the front of the queue, its blocks and state freed: it computes again from the start."""
+        self._preempt(req, None)
+
+    def _preempt(self, req: Request, batch: ScheduledBatch | None) -> None:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
@@ -94,7 +112,8 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
-        batch.preempted.append(req)
+        if batch is not None:
+            batch.preempted.append(req)
 
     def finish(self, req: Request) -> None:
         """Remove a finished (or aborted) request and free its blocks at once."""

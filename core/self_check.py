@@ -20,6 +20,7 @@ import torch
 
 from resin.core.provider_check import SelfCheckReport, check_calls, check_op, compare, copy_call
 from resin.hal.attention import ATTENTION, AttentionLayer, ForwardContext, NativeAttention, step_metadata
+from resin.hal.recurrent import RecurrentMetadata
 from resin.hal.registry import Op, active_chains, intercept_calls
 
 log = logging.getLogger("resin.self_check")
@@ -60,9 +61,14 @@ def _record_calls(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     meta = step_metadata(torch.arange(2 * per_seq).view(2, per_seq), q_lens, [0, 0], block_size, device)
     ids = torch.randint(0, model.config.vocab_size, (sum(q_lens),), generator=gen).to(device)
     positions = torch.cat([torch.arange(q) for q in q_lens]).to(device)
+    ctx = ForwardContext([attn], caches, states=[layer.allocate(2, dtype, device)
+                                                 for layer in getattr(model, "recurrent_layers", [])])
+    if ctx.states:  # two fresh sequences, one slot each
+        ctx.recurrent = RecurrentMetadata(meta.query_start_loc, torch.arange(2, dtype=torch.int32, device=device),
+                                          torch.zeros(2, dtype=torch.bool, device=device), decode_only=False)
     with intercept_calls(record):
         attn.plan(meta)
-        hidden = model.forward(ids, positions, ForwardContext([attn], caches))
+        hidden = model.forward(ids, positions, ctx)
         model.compute_logits(hidden[-2:])
     return calls
 

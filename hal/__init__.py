@@ -7,7 +7,8 @@ from resin.hal.fp8 import FP8_LINEAR, e4m3fn_to_e4m3fnuz, quantize_fp8
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import (EMBEDDING, FUSED_ADD_RMS_NORM, GELU_AND_MUL, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL)
 from resin.hal.platform import Platform, detect_kind
-from resin.hal.recurrent import CAUSAL_CONV1D, CAUSAL_CONV1D_UPDATE, GATED_DELTA_RULE
+from resin.hal.recurrent import (CAUSAL_CONV1D, CAUSAL_CONV1D_UPDATE, GATED_DELTA_RULE, RecurrentLayer,
+                                 RecurrentMetadata)
 from resin.hal.registry import Op, Provider, all_ops
 from resin.hal.rotary import rope_cos_sin_cache
 from resin.hal.selection import (BACKENDS, BackendSpec, OpChoice, Selection, SelectionError, describe_backend,
@@ -17,7 +18,7 @@ __all__ = [
     "ATTENTION", "AttentionBackend", "AttentionLayer", "AttentionMetadata", "ForwardContext", "NativeAttention",
     "write_kv",
     "FP8_LINEAR", "e4m3fn_to_e4m3fnuz", "quantize_fp8", "FUSED_MOE", "MOE_ROUTE",
-    "CAUSAL_CONV1D", "CAUSAL_CONV1D_UPDATE", "GATED_DELTA_RULE",
+    "CAUSAL_CONV1D", "CAUSAL_CONV1D_UPDATE", "GATED_DELTA_RULE", "RecurrentLayer", "RecurrentMetadata",
     "EMBEDDING", "FUSED_ADD_RMS_NORM", "GELU_AND_MUL", "LINEAR", "RMS_NORM", "ROTARY", "SILU_AND_MUL",
     "Platform", "detect_kind", "Op", "OpChoice", "Provider", "SelectionError", "all_ops", "rope_cos_sin_cache",
     "BACKENDS", "BackendSpec", "Selection", "describe_backend", "select_backend",

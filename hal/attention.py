@@ -7,10 +7,11 @@ configuration says why in `unsupported_reason`, so selection errors explain them
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from resin.hal.recurrent import RecurrentMetadata
 from resin.hal.registry import Op
 
 
@@ -80,6 +81,11 @@ class AttentionBackend:
 
     def plan(self, meta: AttentionMetadata) -> None:
         raise NotImplementedError
+
+    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy whole pages src[i] -> dst[i] of one cache tensor in this backend's layout (a forked sequence's
+        partial last block). The default layout keeps pages on axis 1."""
+        kv_cache.index_copy_(1, dst, kv_cache.index_select(1, src))
 
     def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,11 +180,14 @@ ATTENTION = Op("attention", NativeAttention, native_graph_safe=False,  # plans o
 
 @dataclass
 class ForwardContext:
-    """What a model's attention layers need during one forward: the planned backends (one per KV cache group: the
-    groups have their own block tables), each layer's cache, and which backend serves a layer under which index."""
+    """What a model's attention and recurrent layers need during one forward: the planned attention backends (one
+    per KV cache group: the groups have their own block tables), each layer's cache, which backend serves a layer
+    under which index, and the recurrent layers' state slots."""
     backends: list[AttentionBackend]
     kv_caches: list[torch.Tensor]  # per attention layer
     route: list[tuple[int, int]] | None = None  # per layer: (backend, layer index there); None: backend 0, same
+    states: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # per recurrent layer: (slots, ...) each
+    recurrent: RecurrentMetadata | None = None  # this step's slots, set by the runner when there are states
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -39,33 +39,55 @@ def _moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax"
     return weights * routed_scaling_factor, ids.to(torch.int32)
 
 
-def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-               topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """sum_k w_k * down_e(act(gate_e(x)) * up_e(x)) over each token's routed experts e = topk_ids[t, k].
+def swigluoai_and_mul(x: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU over a [gate | up] row: gate clamped above at `limit`, up to [-limit, limit];
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = x.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
-    x (T, H); w13 (E, 2I, H) = [gate | up] rows; w2 (E, H, I). Accumulates in fp32. This loop over experts is the
-    definition (and the "unfused torch loop" the fused kernels are benchmarked against).
+
+MOE_ACTIVATIONS = ("silu", "gelu", "swigluoai")
+
+
+def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+               topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+               w2_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """sum_k w_k * (down_e(act(gate_e(x), up_e(x))) + b2_e) over each token's routed experts e = topk_ids[t, k].
+
+    x (T, H); w13 (E, 2I, H) = [gate | up] rows, with optional bias (E, 2I); w2 (E, H, I), optional bias (E, H),
+    which the routing weight scales with the rest of the expert's output. activation: silu or gelu (act(g) * u),
+    or swigluoai (GPT-OSS: clamped, alpha, limit). Accumulates in fp32. This loop over experts is the definition
+    (and the "unfused torch loop" the fused kernels are benchmarked against).
     """
-    act = SILU_AND_MUL.native if activation == "silu" else GELU_AND_MUL.native
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"MoE activation {activation!r} is not supported; supported: {', '.join(MOE_ACTIVATIONS)}")
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.flatten().long()
     for e in torch.unique(flat_ids).tolist():
         pos = torch.nonzero(flat_ids == e).squeeze(1)
         tok = pos // topk_ids.shape[1]
-        h = act(F.linear(x[tok], w13[e]))
-        y = F.linear(h, w2[e])
+        gate_up = F.linear(x[tok], w13[e], None if w13_bias is None else w13_bias[e])
+        if activation == "swigluoai":
+            h = swigluoai_and_mul(gate_up, alpha, limit)
+        else:
+            h = (SILU_AND_MUL.native if activation == "silu" else GELU_AND_MUL.native)(gate_up)
+        y = F.linear(h, w2[e], None if w2_bias is None else w2_bias[e])
         out.index_add_(0, tok, y.float() * topk_weights.flatten()[pos].float().unsqueeze(1))
     return out.to(x.dtype)
 
 
 def _experts_in_use(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, activation: str = "silu") -> tuple[tuple, dict]:
+                    topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                    w2_bias: torch.Tensor | None = None, alpha: float = 1.702,
+                    limit: float = 7.0) -> tuple[tuple, dict]:
     """Self-check inputs from a real call: copies of only the experts it routes to, ids renumbered to match, so
     the check holds a few experts' weights (not the layer's) and a provider that rewrites its weights in place
     (aiter shuffles them) rewrites copies."""
     used, ids = torch.unique(topk_ids.long(), return_inverse=True)
+    biases = {name: b[used].clone() for name, b in (("w13_bias", w13_bias), ("w2_bias", w2_bias)) if b is not None}
     return (x.clone(), w13[used].clone(), w2[used].clone(), topk_weights.clone(), ids.to(topk_ids.dtype)), \
-        {"activation": activation}
+        {"activation": activation, "alpha": alpha, "limit": limit, **biases}
 
 
 def _distinct_logits(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax", renormalize: bool = True,

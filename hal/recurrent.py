@@ -10,10 +10,39 @@ compute in fp32, one sequence and one token at a time, and every faster provider
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from resin.hal.registry import Op
+
+
+@dataclass(frozen=True)
+class RecurrentLayer:
+    """Static facts of one recurrent layer: the state tensors it keeps per sequence (shapes without the slot
+    dimension) and their dtypes (None: the model's dtype)."""
+    state_shapes: tuple[tuple[int, ...], ...]
+    state_dtypes: tuple[torch.dtype | None, ...]
+
+    def allocate(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.zeros((num_slots, *shape), dtype=d or dtype, device=device)
+                     for shape, d in zip(self.state_shapes, self.state_dtypes))
+
+    def bytes_per_sequence(self, dtype: torch.dtype) -> int:
+        return sum(torch.Size(shape).numel() * torch.empty(0, dtype=d or dtype).element_size()
+                   for shape, d in zip(self.state_shapes, self.state_dtypes))
+
+
+@dataclass
+class RecurrentMetadata:
+    """One step's view of the recurrent state: which slot each sequence of the flat batch owns, where its tokens
+    start, whether it continues a state (false: a fresh sequence, or one recomputed after preemption, starts from
+    zeros), and whether every sequence has exactly one token (the decode-only batch graphs capture)."""
+    query_start_loc: torch.Tensor  # (B + 1,) int32
+    state_indices: torch.Tensor  # (B,) int32
+    has_initial_state: torch.Tensor  # (B,) bool
+    decode_only: bool
 
 _ACTIVATIONS = {None: lambda x: x, "silu": F.silu}
 
@@ -57,6 +86,18 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def delta_rule_qk(q: torch.Tensor, k: torch.Tensor, heads_v: int, use_qk_l2norm: bool,
+                  scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the recurrence reads them: fp32, each head repeated over its value heads, l2-normalised if asked,
+    q scaled (by K ** -0.5 unless given)."""
+    scale = k.shape[2] ** -0.5 if scale is None else scale
+    q = q.float().repeat_interleave(heads_v // q.shape[1], dim=1)
+    k = k.float().repeat_interleave(heads_v // k.shape[1], dim=1)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q * scale, k
+
+
 def _gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       state: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor,
                       has_initial_state: torch.Tensor, use_qk_l2norm: bool = True,
@@ -70,12 +111,7 @@ def _gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     with q and k l2-normalised first when use_qk_l2norm, and scale = K ** -0.5 by default. Returns (T, HV, V) in
     v's dtype."""
     heads_v, dim_k = v.shape[1], k.shape[2]
-    scale = dim_k ** -0.5 if scale is None else scale
-    q = q.float().repeat_interleave(heads_v // q.shape[1], dim=1)
-    k = k.float().repeat_interleave(heads_v // k.shape[1], dim=1)
-    if use_qk_l2norm:
-        q, k = l2_normalize(q), l2_normalize(k)
-    q = q * scale
+    q, k = delta_rule_qk(q, k, heads_v, use_qk_l2norm, scale)
     vf, decay, beta = v.float(), g.float().exp(), beta.float()
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     starts = query_start_loc.tolist()

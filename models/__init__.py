@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from resin.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from resin.models.gpt_oss import GptOssForCausalLM
 from resin.models.llama import (LlamaForCausalLM, MixtralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
                                 Qwen3MoeForCausalLM)
+from resin.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,10 +18,13 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 MODEL_TYPES: dict[str, str] = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+               "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+               "qwen3_next": "Qwen3NextForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 
 
 def resolve_architecture(config: dict[str, Any]) -> tuple[str, type]:

@@ -35,11 +35,14 @@ class Fp8Config:
         return False
 
 
-def parse_quant_config(hf_config: dict[str, Any]) -> Fp8Config | None:
+def parse_quant_config(hf_config: dict[str, Any], mxfp4_reader: bool = False) -> Fp8Config | None:
+    """mxfp4_reader: the family dequantises MXFP4 tensors itself (GPT-OSS's experts), so there is nothing to do."""
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
     method = qc.get("quant_method")
+    if method == "mxfp4" and mxfp4_reader:
+        return None
     if method == "compressed-tensors":
         groups = list((qc.get("config_groups") or {}).values())
         if len(groups) != 1:
@@ -64,7 +67,8 @@ def parse_quant_config(hf_config: dict[str, Any]) -> Fp8Config | None:
         return Fp8Config(static_input=qc.get("activation_scheme", "dynamic") == "static",
                          ignore=tuple(qc.get("modules_to_not_convert") or ()))
     raise ValueError(f"quantization method {method!r} is not supported; Resin loads fp8 (compressed-tensors "
-                     f"float-quantized, or quant_method fp8), GGUF and unquantised checkpoints")
+                     f"float-quantized, or quant_method fp8), GGUF, MXFP4 experts of GptOssForCausalLM, and "
+                     f"unquantised checkpoints")
 
 
 class Fp8Linear(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from resin import hal
-from resin.models.layers import Embedding, Linear, MergedLinear, RMSNorm, Rotary, act_and_mul
+from resin.models.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, Rotary
 
 # Gemma stores each RMSNorm weight as w with scale (1 + w); Resin loads 1 + w once so the norm is the plain op.
 # (In bf16 that rounds 1 + w to bf16, where Hugging Face multiplies by it in fp32: a last-bit difference.)
@@ -73,7 +73,7 @@ class GemmaConfig:
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, cfg: GemmaConfig, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, cfg: GemmaConfig, layer_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
         self.layer_idx = layer_idx
         self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -84,8 +84,7 @@ class GemmaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, weight_offset=_NORM_OFFSET)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, weight_offset=_NORM_OFFSET)
-        theta, scaling = cfg.rope[layer_idx]
-        self.rotary = Rotary(self.d, self.d, cfg.max_position_embeddings, theta, scaling)
+        self.rotary = rotary  # shared by the layers of its kind
         self.spec = hal.AttentionLayer(self.h, self.hk, self.d, scale=cfg.query_scale,
                                        sliding_window=cfg.sliding_windows[layer_idx],
                                        logits_soft_cap=cfg.attn_soft_cap)
@@ -99,25 +98,13 @@ class GemmaAttention(nn.Module):
         return self.o_proj(ctx.attention(self.layer_idx, q, k, v.contiguous()))
 
 
-class GemmaMLP(nn.Module):
-    def __init__(self, cfg: GemmaConfig, dtype: torch.dtype):
-        super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], ["gate", "up"], dtype=dtype)
-        self.down_proj = Linear(size, cfg.hidden_size, dtype=dtype)
-        self.act = act_and_mul(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class GemmaDecoderLayer(nn.Module):
     """Pre- and post-norms around both blocks; the post-norms' outputs join the residual stream."""
 
-    def __init__(self, cfg: GemmaConfig, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, cfg: GemmaConfig, layer_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
-        self.self_attn = GemmaAttention(cfg, layer_idx, dtype)
-        self.mlp = GemmaMLP(cfg, dtype)
+        self.self_attn = GemmaAttention(cfg, layer_idx, dtype, rotary)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype=dtype)
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, weight_offset=_NORM_OFFSET)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
@@ -138,8 +125,14 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # the scale is rounded to the weights' dtype before multiplying, as Hugging Face does
-        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype).item()
-        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device="cpu").item()
+        ropes: dict[str, Rotary] = {}  # one table per distinct rope (local and global layers differ in Gemma 3)
+        for theta, scaling in cfg.rope:
+            key = repr((theta, scaling))
+            if key not in ropes:
+                ropes[key] = Rotary(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings, theta, scaling)
+        self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, dtype, ropes[repr(cfg.rope[i])])
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, weight_offset=_NORM_OFFSET)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:

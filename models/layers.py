@@ -13,24 +13,24 @@ from torch import nn
 from resin import hal
 
 
-def _default_loader(param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> None:
+def default_loader(param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> None:
     if param.shape != tensor.shape:
         raise ValueError(f"checkpoint tensor of shape {tuple(tensor.shape)} does not fit parameter of shape "
                          f"{tuple(param.shape)}")
     param.data.copy_(tensor)
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     p = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-    p.weight_loader = _default_loader
+    p.weight_loader = default_loader
     return p
 
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = _param(out_features, in_features, dtype=dtype)
-        self.bias = _param(out_features, dtype=dtype) if bias else None
+        self.weight = param(out_features, in_features, dtype=dtype)
+        self.bias = param(out_features, dtype=dtype) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return hal.LINEAR(x, self.weight, self.bias)
@@ -54,7 +54,20 @@ class MergedLinear(Linear):
 
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
         start, size = self.offsets[shard]
-        _default_loader(param.data.narrow(0, start, size), tensor)
+        default_loader(param.data.narrow(0, start, size), tensor)
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up as one GEMM: the dense MLP of every family here."""
+
+    def __init__(self, hidden: int, inter: int, act: str, bias: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden, [inter, inter], ["gate", "up"], bias, dtype)
+        self.down_proj = Linear(inter, hidden, bias, dtype)
+        self.act = act_and_mul(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class SparseMoe(nn.Module):
@@ -70,19 +83,19 @@ class SparseMoe(nn.Module):
             raise ValueError(f"MoE hidden_act {act!r} is not supported; supported: silu, gelu")
         self.act = "gelu" if act == "gelu" else "silu"
         self.gate = Linear(hidden, num_experts, dtype=dtype)
-        self.w13 = _param(num_experts, 2 * inter, hidden, dtype=dtype)
+        self.w13 = param(num_experts, 2 * inter, hidden, dtype=dtype)
         self.w13.weight_loader = self._load_w13
         self.w13.shards = [(which, e) for e in range(num_experts) for which in ("gate", "up")]
-        self.w2 = _param(num_experts, hidden, inter, dtype=dtype)
+        self.w2 = param(num_experts, hidden, inter, dtype=dtype)
         self.w2.weight_loader = self._load_w2
         self.w2.shards = list(range(num_experts))
 
     def _load_w13(self, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[str, int]) -> None:
         which, expert = shard
-        _default_loader(param.data[expert].narrow(0, 0 if which == "gate" else self.inter, self.inter), tensor)
+        default_loader(param.data[expert].narrow(0, 0 if which == "gate" else self.inter, self.inter), tensor)
 
     def _load_w2(self, param: nn.Parameter, tensor: torch.Tensor, expert: int) -> None:
-        _default_loader(param.data[expert], tensor)
+        default_loader(param.data[expert], tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = hal.MOE_ROUTE(self.gate(x), self.top_k, "softmax", self.renormalize)
@@ -94,10 +107,10 @@ class RMSNorm(nn.Module):
 
     def __init__(self, size: int, eps: float, dtype: torch.dtype = torch.float32, weight_offset: float = 0.0):
         super().__init__()
-        self.weight = _param(size, dtype=dtype)
+        self.weight = param(size, dtype=dtype)
         self.eps = eps
         if weight_offset:
-            self.weight.weight_loader = lambda param, tensor, shard=None: _default_loader(param, tensor + weight_offset)
+            self.weight.weight_loader = lambda param, tensor, shard=None: default_loader(param, tensor + weight_offset)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
@@ -108,7 +121,7 @@ class RMSNorm(nn.Module):
 class Embedding(nn.Module):
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = _param(num_embeddings, dim, dtype=dtype)
+        self.weight = param(num_embeddings, dim, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return hal.EMBEDDING(ids, self.weight)

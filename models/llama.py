@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from resin import hal
-from resin.models.layers import Embedding, Linear, MergedLinear, RMSNorm, Rotary, SparseMoe, act_and_mul
+from resin.models.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, Rotary, SparseMoe, param
 
 
 @dataclass
@@ -36,6 +36,7 @@ class DecoderConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    attention_sinks: bool = False  # a learned per-head logit in every softmax (GPT-OSS)
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means full attention everywhere
     # mixture of experts: which layers have a sparse MoE MLP instead of the dense one (empty: none)
     moe_layers: tuple[bool, ...] = ()
@@ -64,7 +65,7 @@ class DecoderConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
         self.layer_idx = layer_idx
         self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -75,9 +76,11 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
         self.qk_norm = cfg.qk_norm
-        self.rotary = Rotary(self.d, self.d, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary  # one module (one cos/sin table) shared by every layer
         window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
-        self.spec = hal.AttentionLayer(self.h, self.hk, self.d, scale=self.d ** -0.5, sliding_window=window)
+        self.spec = hal.AttentionLayer(self.h, self.hk, self.d, scale=self.d ** -0.5, sliding_window=window,
+                                       has_sinks=cfg.attention_sinks)
+        self.sinks = param(self.h, dtype=dtype) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
@@ -85,32 +88,23 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.h, self.d)).reshape(q.shape)
             k = self.k_norm(k.reshape(-1, self.hk, self.d)).reshape(k.shape)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(ctx.attention(self.layer_idx, q, k, v.contiguous()))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype):
-        super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, [size, size], ["gate", "up"], cfg.mlp_bias, dtype)
-        self.down_proj = Linear(size, cfg.hidden_size, cfg.mlp_bias, dtype)
-        self.act = act_and_mul(cfg.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.o_proj(ctx.attention(self.layer_idx, q, k, v.contiguous(), self.sinks))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, dtype)
-        if cfg.moe_layers and cfg.moe_layers[layer_idx]:
-            self.mlp = SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.experts_per_token,
-                                 cfg.norm_topk_prob, cfg.hidden_act, dtype)
-        else:
-            self.mlp = MLP(cfg, dtype)
+        self.self_attn = Attention(cfg, layer_idx, dtype, rotary)
+        self.mlp = self.make_mlp(cfg, layer_idx, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    @staticmethod
+    def make_mlp(cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        if cfg.moe_layers and cfg.moe_layers[layer_idx]:
+            return SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.experts_per_token,
+                             cfg.norm_topk_prob, cfg.hidden_act, dtype)
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, dtype)
 
     def forward(self, x, residual, positions, ctx):
         if residual is None:
@@ -123,10 +117,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype):
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, layer_cls: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        # a table of max_position_embeddings x head_dim floats: built once, not per layer
+        rotary = Rotary(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(layer_cls(cfg, i, dtype, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, ids, positions, ctx):
@@ -142,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     # llama.cpp stores this family's q/k rows permuted for its rotary layout; the GGUF loader undoes it
     gguf_permutes_qk = True
+    decoder_layer: type[DecoderLayer] = DecoderLayer
 
     @classmethod
     def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
@@ -151,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: DecoderConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, dtype)
+        self.model = DecoderModel(cfg, dtype, self.decoder_layer)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
         self.attention_layers = [layer.self_attn.spec for layer in self.model.layers]
 

@@ -95,7 +95,7 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        if param.dtype not in FP8_DTYPES:  # fp8 weights are checked, never cast
+        if param.dtype not in FP8_DTYPES and tensor.is_floating_point():  # fp8 and packed weights: never cast
             tensor = tensor.to(param.dtype)
         param.weight_loader(param, tensor, shard)
         loaded.add(target if shard is None else f"{target}:{shard}")
@@ -114,7 +114,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     config, tensors, gguf_file = read_checkpoint(path)
     architecture, cls = resolve_architecture(config)
     model = cls(cls.parse_config(config), dtype)
-    quant = parse_quant_config(config)
+    quant = parse_quant_config(config, mxfp4_reader=getattr(cls, "reads_mxfp4", False))
     if quant is not None:
         quantize_linears(model, quant)
     load_weights(model, tensors)

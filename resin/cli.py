@@ -162,10 +162,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     from resin.models_report import supported_models
 
     rows = supported_models()
-    width = max(len(r[0]) for r in rows)
-    print(f"{'architecture':<{width}}  {'model_type':<10}  ops")
+    width, type_width = max(len(r[0]) for r in rows), max(len("model_type"), *(len(r[1]) for r in rows))
+    print(f"{'architecture':<{width}}  {'model_type':<{type_width}}  ops")
     for arch, model_type, ops in rows:
-        print(f"{arch:<{width}}  {model_type:<10}  {', '.join(ops)}")
+        print(f"{arch:<{width}}  {model_type:<{type_width}}  {', '.join(ops)}")
     return 0
 
 

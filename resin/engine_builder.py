@@ -124,6 +124,14 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
     budget = (parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None
               else default_kv_cache_bytes(free_memory(selection), on_gpu=selection.platform.kind != "cpu"))
     layout = plan_cache_layout(loaded.model.attention_layers, args.block_size, dtype)
+    recurrent = getattr(loaded.model, "recurrent_layers", [])
+    state_per_seq = sum(layer.bytes_per_sequence(dtype) for layer in recurrent)
+    state_bytes = (args.max_num_seqs + 1) * state_per_seq  # a slot per running sequence and a scratch slot
+    if state_bytes and state_bytes >= budget:
+        raise ValueError(f"kv_cache_memory ({budget} bytes) does not even hold the recurrent state of "
+                         f"max_num_seqs={args.max_num_seqs} sequences ({state_bytes} bytes, {state_per_seq} each): "
+                         f"raise kv_cache_memory or lower max_num_seqs")
+    budget -= state_bytes
     num_blocks = budget // layout.page_bytes - 1  # one more page, the null page, is allocated beside the pool
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory={args.kv_cache_memory} holds no block ({layout.page_bytes} bytes each, "
@@ -153,6 +161,9 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
              (num_blocks + 1) * layout.page_bytes / (1 << 20), engine.capacity_tokens)
     for line in layout.describe(loaded.model.attention_layers, dtype):
         log.info("KV cache, %s", line)
+    if recurrent:
+        log.info("recurrent state: %d layers, %d bytes per sequence, %d slots (%.1f MiB)", len(recurrent),
+                 state_per_seq, args.max_num_seqs + 1, state_bytes / (1 << 20))
     if check is not None and engine.runner.graphs is not None:
         mismatch = engine.runner.graphs_match_eager()
         if mismatch:

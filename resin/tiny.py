@@ -27,6 +27,18 @@ TINY_FAMILY = {
                               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                   "rope_theta": 1000000.0}}),
+    # hybrid: three Gated DeltaNet layers, then gated full attention with a quarter of the head rotated; MoE with a
+    # shared expert on every layer but the second
+    "Qwen3NextForCausalLM": dict(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                 linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                 shared_expert_intermediate_size=32, mlp_only_layers=[1]),
+    # sliding and full layers alternating, 8-token windows, 4 experts (2 active), YaRN past 32 positions
+    "GptOssForCausalLM": dict(num_hidden_layers=2, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+                              intermediate_size=32, head_dim=16,
+                              rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 16.0,
+                                               "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                               "original_max_position_embeddings": 32}),
 }
 
 

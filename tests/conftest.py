@@ -18,7 +18,9 @@ if not torch.cuda.is_available():
 KERNEL_DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+         "Qwen3NextForCausalLM", "GptOssForCausalLM")
+RECURRENT_ARCHS = ("Qwen3NextForCausalLM",)  # prefix caching is off for these (recurrent state per sequence)
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

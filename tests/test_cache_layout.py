@@ -134,3 +134,22 @@ def test_sliding_window_memory_stays_bounded_far_past_the_window(tmp_path):
     assert max(s for s, _ in held) <= bound == 4
     assert held[-1] == [2, -(-299 // 16)]  # 12 keys before the last token span two blocks here
     assert engine.kv.pool.num_free == engine.kv.pool.num_blocks  # everything back after the request
+
+
+@pytest.mark.parametrize("backend", ["native", "cpu"])
+def test_copy_blocks_copies_whole_pages_in_the_backends_layout(backend):
+    """A fork's partial block is copied page by page in whatever layout the backend keeps (head-major on cpu)."""
+    from resin.backends.cpu.attention import CpuAttention
+    from resin.hal.attention import NativeAttention
+
+    cls = CpuAttention if backend == "cpu" else NativeAttention
+    layers = layers_of([None])
+    attn = cls(layers, 4, torch.float32, torch.device("cpu"))
+    cache = torch.randn(cls.kv_cache_shape(6, 4, 2, 8))
+    before = cache.clone()
+    attn.copy_blocks(cache, torch.tensor([1, 4]), torch.tensor([5, 0]))
+    axis = 2 if backend == "cpu" else 1
+    page = lambda t, i: t.select(axis, i)  # noqa: E731
+    assert torch.equal(page(cache, 5), page(before, 1)) and torch.equal(page(cache, 0), page(before, 4))
+    for i in (1, 2, 3, 4):
+        assert torch.equal(page(cache, i), page(before, i))

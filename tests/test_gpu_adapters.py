@@ -137,3 +137,51 @@ def test_scaled_mm_marks_a_weight_only_when_refused(monkeypatch, refused):
         with pytest.raises(torch.OutOfMemoryError):
             scaled_mm.fp8_linear(x, wq, scale)
         assert not getattr(wq, scaled_mm._REFUSED, False)
+
+
+def _fla_chunk_reference(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                         use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """flash-linear-attention's chunk_gated_delta_rule contract (as aiter ships it), computed with transformers'
+    torch reference per sequence of cu_seqlens: (1, T, H, K) inputs, (N, H, K, V) states."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    assert q.shape[0] == 1 and q.shape[2] == v.shape[2] and scale is None  # equal heads, default scale
+    assert initial_state.dtype == torch.float32 and output_final_state
+    bounds = cu_seqlens.tolist()
+    outs, finals = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        o, s = torch_chunk_gated_delta_rule(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                            chunk_size=4, initial_state=initial_state[i:i + 1],
+                                            output_final_state=True,
+                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        finals.append(s)
+    return torch.cat(outs, 1), torch.cat(finals)
+
+
+def test_aiter_delta_rule_adapter_maps_slots_heads_and_states(monkeypatch):
+    """The adapter against a stand-in for aiter's module that keeps its contract: slots gathered and scattered,
+    fresh sequences from zeros, q/k heads repeated over value heads; equal to the native op (in fp16 inputs)."""
+    from resin.backends.rocm.aiter import delta_rule
+
+    module = types.SimpleNamespace(chunk_gated_delta_rule=_fla_chunk_reference)
+    monkeypatch.setitem(sys.modules, "aiter.ops.triton.gated_delta_net", module)
+    lengths, h, hv, dk, dv = [6, 3, 9], 2, 4, 8, 8
+    t = sum(lengths)
+    q, k = torch.randn(t, h, dk).half(), torch.randn(t, h, dk).half()
+    v = torch.randn(t, hv, dv).half()
+    g, beta = -torch.nn.functional.softplus(torch.randn(t, hv)), torch.rand(t, hv).half().float()  # as models give it
+    state = torch.randn(5, hv, dk, dv)
+    qsl = torch.tensor([0, 6, 9, 18], dtype=torch.int32)
+    idx, has = torch.tensor([3, 0, 4], dtype=torch.int32), torch.tensor([True, False, True])
+    assert delta_rule.supports_args(q, k, v, g, beta, state, qsl) is None
+    assert "one token" in delta_rule.supports_args(q[:3], k[:3], v[:3], g[:3], beta[:3], state, torch.arange(4))
+    assert "fp16/bf16" in delta_rule.supports_args(q, k, v.float(), g, beta, state, qsl)
+    ref_state, got_state = state.clone(), state.clone()
+    ref = hal.GATED_DELTA_RULE.native(q, k, v, g, beta, ref_state, qsl, idx, has)
+    got = delta_rule.gated_delta_rule(q, k, v, g, beta, got_state, qsl, idx, has)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-3, atol=2e-3)  # fp16 outputs
+    torch.testing.assert_close(got_state, ref_state, rtol=1e-4, atol=1e-4)
+    sel = hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"aiter", "triton"}))
+    choice = sel.table["gated_delta_rule"]
+    assert choice.chosen == "aiter" and choice.chosen_in_graphs == "triton"

@@ -64,6 +64,28 @@ def test_llama3_frequencies_match_transformers():
     assert torch.allclose(inverse_frequencies(32, 500000.0, scaling), ref, rtol=1e-6)
 
 
+@pytest.mark.parametrize("scaling", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+    {"factor": 4.0, "original_max_position_embeddings": 32},  # truncated ramp, default betas
+    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 64},
+    {"factor": None, "original_max_position_embeddings": 256, "attention_factor": 1.3},  # factor from the lengths
+])
+def test_yarn_table_matches_transformers(scaling):
+    """Inverse frequencies and the cos/sin scale (YaRN's attention factor) as transformers computes them."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "yarn", "rope_theta": 150000.0, **scaling}
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=2048,
+                      rope_parameters=dict(params))
+    ref_inv, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    assert torch.allclose(inverse_frequencies(64, 150000.0, params, 2048), ref_inv, rtol=1e-6)
+    table = hal.rope_cos_sin_cache(64, 2048, 150000.0, params)
+    pos = torch.arange(2048, dtype=torch.float32).unsqueeze(1) * ref_inv
+    assert torch.allclose(table, torch.cat((pos.cos(), pos.sin()), -1) * ref_scale, atol=1e-6)
+    assert ref_scale != 1.0
+
+
 @pytest.mark.parametrize("approx", ["none", "tanh"])
 def test_activations(approx):
     x = torch.randn(7, 2 * 33)

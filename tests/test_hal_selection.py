@@ -48,8 +48,10 @@ def test_cpu_selection_table():
     assert [p.name for p in sel.table["rotary"].chain] == cpp + ["cpu", "native"]
     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul"):
         assert [p.name for p in sel.table[name].chain] == cpp + ["native"]
+    assert [p.name for p in sel.table["gated_delta_rule"].chain] == ["chunked", "native"]
     assert all(c.chosen == "native" for name, c in sel.table.items()
-               if name not in ("attention", "linear", "rotary", "rms_norm", "fused_add_rms_norm", "silu_and_mul"))
+               if name not in ("attention", "linear", "rotary", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
+                               "gated_delta_rule"))
     text = sel.format_table()
     assert "gelu_and_mul" in text and "only provider on this backend" in text and "first in priority order" in text
 
@@ -114,7 +116,8 @@ def test_unknown_backend_name():
         hal.select_backend("tpu", install=False)
 
 
-AITER_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "moe_route", "fused_moe", "fp8_linear"}
+AITER_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "moe_route", "fused_moe", "fp8_linear",
+             "gated_delta_rule"}
 TRITON_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route",
               "fused_moe", "causal_conv1d", "causal_conv1d_update", "gated_delta_rule"}
 
@@ -219,3 +222,36 @@ def test_attention_op_constructs_the_first_backend_that_accepts_the_layers():
     layers = [hal.AttentionLayer(4, 2, 16, 0.25)]
     backend = hal.ATTENTION(layers, 16, torch.float32, torch.device("cpu"))
     assert isinstance(backend, hal.NativeAttention)
+
+
+# What each attention provider claims to honour; everything else it must decline, naming the feature. Numerics of
+# the claims: native (test_hal_ops), triton (test_triton_kernels), cpu/cpp windows (test_cpu_kernels); flashinfer
+# and flash-attn plan windows and soft-cap, aiter passes all three to unified_attention: untested on hardware here.
+HONOURS = {"native": {"window", "soft_cap", "sinks"}, "triton": {"window", "soft_cap", "sinks"},
+           "aiter": {"window", "soft_cap", "sinks"}, "flashinfer": {"window", "soft_cap"},
+           "flash_attn": {"window"},  # soft-cap from flash-attn 2.6 (not installed here): test_gpu_adapters
+           "cpu": {"window"}, "cpp": {"window"}}
+FEATURES = {"window": dict(sliding_window=128), "soft_cap": dict(logits_soft_cap=30.0),
+            "sinks": dict(has_sinks=True)}
+NAMED = {"window": "window", "soft_cap": "soft-cap", "sinks": "sinks"}
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+@pytest.mark.parametrize("provider", HONOURS)
+def test_every_attention_provider_honours_or_declines_window_soft_cap_and_sinks(provider, feature):
+    import resin.backends.cpu  # noqa: F401  (registers cpu and cpp)
+    import resin.backends.cuda  # noqa: F401  (registers flashinfer and flash_attn)
+    import resin.backends.rocm  # noqa: F401  (registers aiter)
+    from resin.backends.triton.attention import TritonAttention
+
+    assert set(HONOURS) == set(hal.ATTENTION.providers)  # a new provider must state its claims here
+    cls = TritonAttention if provider == "triton" else hal.ATTENTION.providers[provider].fn
+    plain = hal.AttentionLayer(8, 2, 128, 128 ** -0.5)
+    dev = torch.device("cpu")
+    block = next(b for b in (16, 256) if cls.unsupported_reason([plain], b, torch.bfloat16, dev) is None)
+    layers = [plain, hal.AttentionLayer(8, 2, 128, 128 ** -0.5, **FEATURES[feature])]
+    reason = cls.unsupported_reason(layers, block, torch.bfloat16, dev)
+    if feature in HONOURS[provider]:
+        assert reason is None
+    else:
+        assert reason is not None and NAMED[feature] in reason, reason

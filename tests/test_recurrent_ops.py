@@ -77,9 +77,12 @@ def test_gated_delta_rule_matches_transformers_recurrence_and_carries_state():
     before = state.clone()
     out = hal.GATED_DELTA_RULE.native(q, k, v, decay, beta, state, ragged(lengths), idx, has)
     starts = ragged(lengths).tolist()
+    # the model repeats each q/k head over its value heads before the call, as transformers' Qwen3-Next does (its
+    # reference takes equal head counts in some releases)
+    qr, kr = (t.repeat_interleave(v.shape[1] // q.shape[1], dim=1) for t in (q, k))
     for i, (a, e) in enumerate(zip(starts, starts[1:])):
         want, final = qwen3_next.torch_recurrent_gated_delta_rule(
-            q[a:e][None], k[a:e][None], v[a:e][None], decay[a:e][None], beta[a:e][None],
+            qr[a:e][None], kr[a:e][None], v[a:e][None], decay[a:e][None], beta[a:e][None],
             initial_state=before[idx[i]][None] if has[i] else None, output_final_state=True,
             use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(out[a:e], want[0], rtol=1e-4, atol=1e-4)
@@ -156,3 +159,41 @@ def test_recurrent_kernels_decline_what_they_cannot_run():
     q, k, v, decay, beta, state, idx = gdn_inputs([2])
     assert "fp32" in recurrent.gdn_supports_args(q, k, v, decay, beta, state.half())
     assert recurrent.gdn_supports_args(q, k, v, decay, beta, state) is None
+
+
+# ---- the cpu backend's chunked form ----------------------------------------------------------------------------
+@pytest.mark.unit
+@pytest.mark.parametrize("chunk", [1, 3, 8, 64])
+def test_chunked_delta_rule_matches_the_recurrence_across_chunks_and_steps(chunk):
+    """Ragged sequences longer and shorter than a chunk, fresh and continuing states, two successive steps (the
+    second continuing what the first left), bf16 inputs too: the chunked form equals the token-by-token native."""
+    from resin.backends.cpu.delta_rule import chunked_gated_delta_rule
+
+    lengths = [19, 1, 7, 64]
+    qsl = ragged(lengths)
+    q, k, v, decay, beta, state, idx = gdn_inputs(lengths, dk=12, dv=20)
+    ref_state, got_state = state.clone(), state.clone()
+    for step, dtype in ((0, torch.float32), (1, torch.bfloat16)):
+        if step:
+            q, k, v, decay, beta = gdn_inputs(lengths, dk=12, dv=20)[:5]
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+        has = torch.tensor([step > 0, False, True, True])
+        ref = hal.GATED_DELTA_RULE.native(q, k, v, decay, beta, ref_state, qsl, idx, has)
+        got = chunked_gated_delta_rule(q, k, v, decay, beta, got_state, qsl, idx, has, chunk=chunk)
+        torch.testing.assert_close(got.float(), ref.float(), **_tol(dtype))
+        torch.testing.assert_close(got_state, ref_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.unit
+def test_chunked_delta_rule_leaves_decode_to_the_recurrent_step():
+    sel = hal.select_backend("cpu")
+    try:
+        assert [p.name for p in sel.table["gated_delta_rule"].chain] == ["chunked", "native"]
+        from resin.backends.cpu.delta_rule import supports_args
+
+        q, k, v, decay, beta, state, idx = gdn_inputs([1, 1, 1])
+        assert "one token per sequence" in supports_args(q, k, v, decay, beta, state, ragged([1, 1, 1]))
+        assert supports_args(q, k, v, decay, beta, state, ragged([2, 1])) is None
+    finally:
+        from resin.hal.registry import deactivate
+        deactivate()

@@ -250,14 +250,23 @@ def test_sort_by_expert(num_tokens, num_experts, top_k, block_m):
 @pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k", [(1, 32, 48, 4, 2), (13, 48, 40, 6, 2),
                                                                        (29, 64, 24, 8, 1)])
-@pytest.mark.parametrize("act", ["silu", "gelu"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "swigluoai"])
 def test_fused_moe(dtype, num_tokens, hidden, inter, num_experts, top_k, act):
+    """swigluoai runs as GPT-OSS does, with expert biases on both GEMMs and gate/up values wide enough that the
+    clamps at +-limit (3 here) act."""
+    gpt_oss = act == "swigluoai"
     x = torch.randn(num_tokens, hidden).to(dtype)
-    w13 = (torch.randn(num_experts, 2 * inter, hidden) * hidden ** -0.5).to(dtype)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden) * hidden ** -0.5 * (4 if gpt_oss else 1)).to(dtype)
     w2 = (torch.randn(num_experts, hidden, inter) * inter ** -0.5).to(dtype)
     weights, ids = hal.MOE_ROUTE.native(torch.randn(num_tokens, num_experts), top_k)
-    assert moe.fused_moe_supports_args(x, w13, w2, weights, ids, act) is None
-    close(moe.fused_moe(x, w13, w2, weights, ids, act), hal.FUSED_MOE.native(x, w13, w2, weights, ids, act))
+    extra = dict(w13_bias=torch.randn(num_experts, 2 * inter).to(dtype),
+                 w2_bias=torch.randn(num_experts, hidden).to(dtype), alpha=1.5, limit=3.0) if gpt_oss else {}
+    if gpt_oss:
+        gate = torch.nn.functional.linear(x.float(), w13[ids[0, 0].long()].float())[..., :inter]
+        assert (gate.abs() > 3.0).any()  # the clamp is exercised
+    assert moe.fused_moe_supports_args(x, w13, w2, weights, ids, act, **extra) is None
+    close(moe.fused_moe(x, w13, w2, weights, ids, act, **extra),
+          hal.FUSED_MOE.native(x, w13, w2, weights, ids, act, **extra))
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8_UNDER_TEST, ids=str)

@@ -31,10 +31,14 @@ def triton_ops():
     deactivate()
 
 
-@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM"])
+EXTRA = {"Qwen3NextForCausalLM": dict(layer_types=["linear_attention", "full_attention"])}
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                                  "Qwen3NextForCausalLM", "GptOssForCausalLM"])
 def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops, arch):
     hf = save_tiny(tmp_path, arch, seed=3, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
-                   head_dim=16, hidden_size=48)
+                   head_dim=16, hidden_size=48, **EXTRA.get(arch, {}))
     loaded = load_model(tmp_path, torch.float32, KERNEL_DEVICE)
     rec = LogitsRecorder()
     config = EngineConfig(max_model_len=128, max_num_seqs=6, max_num_batched_tokens=40, graphs=True,
@@ -45,8 +49,14 @@ def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops, a
     assert type(engine.runner.attn).__name__ == "TritonAttention" and graphs is not None
     if arch == "Gemma2ForCausalLM":  # a sliding-window group and a full one, each with its own tables in graphs
         assert len(engine.runner.attns) == 2 and engine.runner.attns[0].layers[0].sliding_window == 12
-    if arch == "Qwen3MoeForCausalLM":  # routing and experts run the triton MoE kernels too
+    if arch in ("Qwen3MoeForCausalLM", "GptOssForCausalLM"):  # routing and experts run the triton MoE kernels too
+        # (GPT-OSS: expert biases and the clamped SwiGLU; its attention has sinks)
         assert hal.MOE_ROUTE.providers["triton"] in hal.registry._ACTIVE["moe_route"]
+    if arch == "Qwen3NextForCausalLM":  # the Gated DeltaNet layer's conv and delta rule run their triton kernels,
+        # captured decode steps carry each row's state slot
+        for op in (hal.CAUSAL_CONV1D, hal.CAUSAL_CONV1D_UPDATE, hal.GATED_DELTA_RULE):
+            assert hal.registry._ACTIVE[op.name][0] is op.providers["triton"]
+        assert len(engine.runner.states) == 1
     assert graphs.buckets == [1, 2, 4]
     assert engine.runner.graphs_match_eager() is None  # the start-up check of capture itself
 
@@ -61,6 +71,16 @@ def test_tiny_model_on_triton_kernels_with_decode_graphs(tmp_path, triton_ops, a
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
     assert graphs.replays > 0  # decode batches of <= 4 replayed; the 5-wide ones ran eagerly
+
+    # then a one-token prompt alone: every step of it is a decode-only batch, replayed from a graph from its first
+    # token on (a recurrent model's reused state slot must start from zeros there too)
+    prompts.append([42])
+    replays = graphs.replays
+    engine.add_request(str(len(prompts) - 1), prompts[-1], params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    assert graphs.replays == replays + max_tokens
 
     for i, prompt in enumerate(prompts):
         got = tokens[str(i)]

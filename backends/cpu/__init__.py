@@ -6,10 +6,11 @@ norms, rotary, silu-and-mul, paged decode attention; built once per machine), th
 serve when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor
 ops), and bf16 linear through oneDNN with weights reordered once.
 """
-from resin.backends.cpu import kernels, linear, rotary
+from resin.backends.cpu import delta_rule, kernels, linear, rotary
 from resin.backends.cpu.attention import CppAttention, CpuAttention
 from resin.hal.attention import ATTENTION
 from resin.hal.ops import FUSED_ADD_RMS_NORM, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL
+from resin.hal.recurrent import GATED_DELTA_RULE
 from resin.hal.selection import BackendSpec
 
 ATTENTION.register("cpp", supported=kernels.supported, supports_args=CppAttention.unsupported_reason)(CppAttention)
@@ -21,10 +22,12 @@ FUSED_ADD_RMS_NORM.register("cpp", supported=kernels.supported,
 ROTARY.register("cpp", supported=kernels.supported, supports_args=kernels.rotary_args)(kernels.rotary)
 ROTARY.register("cpu", supports_args=rotary.supports_args)(rotary.rotary)
 SILU_AND_MUL.register("cpp", supported=kernels.supported, supports_args=kernels.act_args)(kernels.silu_and_mul)
+GATED_DELTA_RULE.register("chunked", supports_args=delta_rule.supports_args)(delta_rule.chunked_gated_delta_rule)
 
 BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "linear": ["onednn"],
                                          "rms_norm": ["cpp"], "fused_add_rms_norm": ["cpp"],
-                                         "rotary": ["cpp", "cpu"], "silu_and_mul": ["cpp"]},
+                                         "rotary": ["cpp", "cpu"], "silu_and_mul": ["cpp"],
+                                         "gated_delta_rule": ["chunked"]},
                       note="PyTorch on the CPU with Resin's C++ kernels for the per-layer ops (built once per "
                            "machine; plain-torch providers where no compiler is found); bf16 linear through oneDNN "
-                           "with prepacked weights")
+                           "with prepacked weights; the gated delta rule in chunked form for prefill")

@@ -48,6 +48,9 @@ class CpuAttention(AttentionBackend):
         (B, L, D) matrix per sequence, which BLAS reads without a transposing copy."""
         return (2, num_kv_heads, num_blocks, block_size, head_size)
 
+    def copy_blocks(self, kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        kv_cache.index_copy_(2, dst, kv_cache.index_select(2, src))  # head-major: pages on axis 2
+
     @classmethod
     def unsupported_reason(cls, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
                            device: torch.device) -> str | None:

@@ -7,6 +7,7 @@ The aiter adapters (backends/rocm/aiter/) are untested on hardware in this proje
 from resin.backends.cuda import graphs, scaled_mm
 from resin.backends.rocm import aiter
 from resin.backends.rocm.aiter import attention as aiter_attention
+from resin.backends.rocm.aiter import delta_rule as aiter_delta_rule
 from resin.backends.rocm.aiter import gemm as aiter_gemm
 from resin.backends.rocm.aiter import moe as aiter_moe
 from resin.backends.rocm.aiter import norm as aiter_norm
@@ -17,6 +18,7 @@ from resin.hal.fp8 import FP8_LINEAR
 from resin.hal.graphs import CAPTURE_GRAPH
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import FUSED_ADD_RMS_NORM, RMS_NORM, ROTARY
+from resin.hal.recurrent import GATED_DELTA_RULE
 from resin.hal.selection import BackendSpec
 
 # aiter's unified attention is not graph-safe (host max lengths): eager steps use it, captured decode steps the
@@ -32,6 +34,9 @@ MOE_ROUTE.register("aiter", aiter.supported, aiter_moe.route_supports_args, libr
     aiter_moe.moe_route)
 FUSED_MOE.register("aiter", aiter.supported, aiter_moe.fused_moe_supports_args, library=A)(
     aiter_moe.fused_moe)
+# chunked prefill only, planned on the host: decode steps (and graphs) keep the Triton recurrent kernel
+GATED_DELTA_RULE.register("aiter", aiter.supported, aiter_delta_rule.supports_args, graph_safe=False, library=A)(
+    aiter_delta_rule.gated_delta_rule)
 FP8_LINEAR.register("aiter", aiter.fp8_supported, aiter_gemm.supports_args, library=A)(
     aiter_gemm.fp8_linear)
 FP8_LINEAR.register("scaled_mm", scaled_mm.supported, scaled_mm.supports_args)(scaled_mm.fp8_linear)
@@ -48,7 +53,7 @@ BACKEND = BackendSpec(
         "gelu_and_mul": ["triton"],
         "causal_conv1d": ["triton"],
         "causal_conv1d_update": ["triton"],
-        "gated_delta_rule": ["triton"],
+        "gated_delta_rule": ["aiter", "triton"],
         "moe_route": ["aiter", "triton"],
         "fused_moe": ["aiter", "triton"],
         "fp8_linear": ["aiter", "scaled_mm", "triton"],

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from resin.backends.triton.activation import gelu_and_mul, silu_and_mul
+from resin.backends.triton.activation import gelu_and_mul, silu_and_mul, swigluoai_and_mul
 from resin.backends.triton.tuning import Tuning, current
 
 
@@ -98,9 +98,9 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tu
 
 
 @triton.jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, n, k, num_rows,
-                         a_stride, w_stride_e, w_stride_n, c_stride, A_ROW_DIV: tl.constexpr,
-                         MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, topk_w_ptr, bias_ptr, n, k,
+                         num_rows, a_stride, w_stride_e, w_stride_n, c_stride, A_ROW_DIV: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -123,6 +123,8 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, 
                 acc += tl.dot(a, b, input_precision="ieee")
             else:
                 acc += tl.dot(a, b)
+        if HAS_BIAS:  # the expert's own bias, before the routing weight scales its output
+            acc += tl.load(bias_ptr + expert * n + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         if MUL_WEIGHT:
             acc = acc * tl.load(topk_w_ptr + rows, mask=row_ok, other=0.0)[:, None]
         tl.store(c_ptr + rows[:, None] * c_stride + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -130,34 +132,46 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, 
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, sorted_ids: torch.Tensor,
-                  block_expert: torch.Tensor, topk_w: torch.Tensor | None, a_row_div: int, tuning: Tuning) -> None:
+                  block_expert: torch.Tensor, topk_w: torch.Tensor | None, bias: torch.Tensor | None, a_row_div: int,
+                  tuning: Tuning) -> None:
     bm, bn, bk = tuning.gemm_tile(a.dtype)
     n, k = w.shape[1], w.shape[2]
     grid = (block_expert.shape[0], triton.cdiv(n, bn))
     _grouped_gemm_kernel[grid](
-        a, w, c, sorted_ids, block_expert, topk_w if topk_w is not None else c, n, k, c.shape[0], a.stride(0),
-        w.stride(0), w.stride(1), c.stride(0), A_ROW_DIV=a_row_div, MUL_WEIGHT=topk_w is not None, BLOCK_M=bm,
+        a, w, c, sorted_ids, block_expert, topk_w if topk_w is not None else c, bias if bias is not None else c, n, k,
+        c.shape[0], a.stride(0), w.stride(0), w.stride(1), c.stride(0), A_ROW_DIV=a_row_div,
+        MUL_WEIGHT=topk_w is not None, HAS_BIAS=bias is not None, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, IEEE=a.dtype == torch.float32, **tuning.launch(tuning.gemm_warps, tuning.gemm_stages))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: str = "silu", tuning: Tuning | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, alpha: float = 1.702, limit: float = 7.0,
+              tuning: Tuning | None = None) -> torch.Tensor:
     tuning = tuning or current()
     t, top_k = topk_ids.shape
     x = x if x.stride(-1) == 1 else x.contiguous()
     sorted_ids, block_expert = sort_by_expert(topk_ids, w13.shape[0], tuning.gemm_tile(x.dtype)[0])
     gate_up = torch.empty(t * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, None, top_k, tuning)
-    h = silu_and_mul(gate_up, tuning) if activation == "silu" else gelu_and_mul(gate_up, "none", tuning)
+    _grouped_gemm(x, w13, gate_up, sorted_ids, block_expert, None, _contiguous(w13_bias), top_k, tuning)
+    if activation == "swigluoai":
+        h = swigluoai_and_mul(gate_up, alpha, limit, tuning)
+    else:
+        h = silu_and_mul(gate_up, tuning) if activation == "silu" else gelu_and_mul(gate_up, "none", tuning)
     down = torch.empty(t * top_k, w2.shape[1], dtype=torch.float32, device=x.device)
-    _grouped_gemm(h, w2, down, sorted_ids, block_expert, topk_weights.flatten().float().contiguous(), 1, tuning)
+    _grouped_gemm(h, w2, down, sorted_ids, block_expert, topk_weights.flatten().float().contiguous(),
+                  _contiguous(w2_bias), 1, tuning)
     return down.view(t, top_k, -1).sum(1).to(x.dtype)
 
 
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.is_contiguous() else t.contiguous()
+
+
 def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                            topk_ids: torch.Tensor, activation: str = "silu") -> str | None:
+                            topk_ids: torch.Tensor, activation: str = "silu", *args, **kwargs) -> str | None:
     if w13.dtype != x.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return f"activations {x.dtype} / experts {w13.dtype}: the triton kernel wants one float dtype"
-    if activation not in ("silu", "gelu"):
+    if activation not in ("silu", "gelu", "swigluoai"):
         return f"activation {activation!r}"
     return None

@@ -63,7 +63,11 @@ def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
 
 
 def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                            topk_ids: torch.Tensor, activation: str = "silu") -> str | None:
+                            topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
+                            w2_bias: torch.Tensor | None = None, *args, **kwargs) -> str | None:
+    if activation not in ("silu", "gelu") or w13_bias is not None or w2_bias is not None:
+        # aiter's GPT-OSS path (a gfx950 MXFP4 kernel with its own bias layout) is not adapted here
+        return f"activation {activation!r} / expert biases: this adapter passes silu or gelu without biases"
     if getattr(w13, _SHUFFLED, False):
         return None  # already shuffled for aiter: nothing else can read these weights now
     if x.dtype not in (torch.float16, torch.bfloat16) or w13.dtype != x.dtype:
@@ -82,7 +86,7 @@ def _shuffled(w: torch.Tensor) -> torch.Tensor:
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+              topk_ids: torch.Tensor, activation: str = "silu", *unused: object, **unused_kw: object) -> torch.Tensor:
     aiter = aiter_module()
     act = aiter.ActivationType.Silu if activation == "silu" else aiter.ActivationType.Gelu
     return aiter_module("aiter.fused_moe").fused_moe(
