@@ -1,9 +1,10 @@
 """A step's stages with failures contained: what fails takes down only the requests it belongs to.
 
 A failed forward over a batch is retried one sequence at a time (each rewrites its own KV slots with the same
-values). A recurrent state is updated in place, so a sequence that continued one cannot be retried: the failed
-forward may already have advanced it; such sequences compute again from the start, as after preemption. And a failed batch draw is redone row by row from the generator states it started with, so greedy and
-seeded rows get exactly what a clean step would have given them (unseeded rows draw fresh noise: equally valid).
+values). A recurrent state is updated in place, so a sequence that continued one cannot be retried (the failed
+forward may already have advanced it): it computes again from the start, as after preemption. A failed batch
+draw is redone row by row from the generator states it started with, so greedy and seeded rows get exactly what
+a clean step would have given them (unseeded rows draw fresh noise: equally valid).
 `failed` collects request id -> error.
 
 A fault of the device itself (a CUDA/HIP error that poisons the context) is not contained: every later step would

@@ -114,11 +114,12 @@ class DecodeGraphs:
             self.forward((positions % 7).to(dev), positions.to(dev), self.ctx)
         step = torch.tensor(ctx_lens)
         slots = tables[:, torch.arange(n), step // bs].long() * bs + step % bs
-        states = [s.clone() for layer in self.ctx.states for s in layer]  # the eager run starts from these too
+        states = [s for layer in self.ctx.states for s in layer]
+        saved = [s.clone() for s in states]  # the eager run below starts from these too
         replayed = self.run(torch.arange(n), step, (step + 1).to(torch.int32), tables, slots,
                             max(ctx_lens) + 1, state_slots).clone()
-        for saved, s in zip(states, (s for layer in self.ctx.states for s in layer)):
-            s.copy_(saved)
+        for state, before in zip(states, saved):
+            state.copy_(before)
         padded = self.bucket_for(n)
         with graph_phase():  # the plan run() made for the bucket still holds
             eager = self.forward(self.input_ids[:padded], self.positions[:padded], self.ctx)[:n]

@@ -108,6 +108,7 @@ class ModelRunner:
         # one state slot per running sequence, and one more that graph padding rows use
         self.states = [layer.allocate(max_num_seqs + 1, dtype, device)
                        for layer in getattr(model, "recurrent_layers", [])]
+        self._state_tensors = [state for layer in self.states for state in layer]  # every (slots, ...) tensor
         self.ctx = ForwardContext(self.attns, self.kv_caches, route, self.states)
         self.graphs: DecodeGraphs | None = None
         if decode_attns is not None:
@@ -181,9 +182,8 @@ class ModelRunner:
         self.block_tables.release(req)
 
     def _zero_states(self, slots: torch.Tensor) -> None:
-        for layer in self.states:
-            for state in layer:
-                state.index_fill_(0, slots, 0)
+        for state in self._state_tensors:
+            state.index_fill_(0, slots, 0)
 
     @torch.inference_mode()
     def copy_for_fork(self, pages: list[tuple[int, int]], src_slot: int | None, dst_slot: int | None) -> None:
@@ -194,9 +194,8 @@ class ModelRunner:
             for cache in self.cache_slots:
                 self.attn.copy_blocks(cache, src, dst)
         if src_slot is not None and dst_slot is not None:
-            for layer in self.states:
-                for state in layer:
-                    state[dst_slot].copy_(state[src_slot])
+            for state in self._state_tensors:
+                state[dst_slot].copy_(state[src_slot])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> RunnerOutput:
