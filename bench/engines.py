@@ -2,6 +2,7 @@
 
     python bench/engines.py --engine resin --dtype bfloat16 --mode batch --concurrency 32 --prompts p.json
     python bench/engines.py --engine hf --dtype float32 --mode single --prompts p.json
+    python bench/engines.py --engine resin-gguf --dtype bfloat16 --mode single --prompts p.json  # packed Q4_1
 
 Modes: `batch` submits the first --concurrency prompts at once and reports output tokens/s over the whole
 generation (prefill included); `single` reports batch-1 decode tokens/s as 63 / (time(64 tokens) - time(1 token))
@@ -22,10 +23,14 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_resin(args, prompts):
+def run_resin(args, prompts, gguf: bool = False):
+    """gguf: the built-in model's own GGUF with its weights kept packed (Q4_1 layers, a Q8_0 embedding);
+    otherwise the dense safetensors folder (weights dequantised once, run in --dtype)."""
     from resin import LLM, SamplingParams
 
-    llm = LLM(args.model_dir, dtype=args.dtype, kv_cache_memory="1GiB", max_num_seqs=256)
+    model = None if gguf else args.model_dir  # None: the built-in model, read from its GGUF
+    llm = LLM(model, dtype=args.dtype, kv_cache_memory="1GiB", max_num_seqs=256,
+              quantization="auto" if gguf else "none")
 
     def gen(ps, n):
         outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
@@ -95,7 +100,8 @@ def run_vllm(args, prompts):
     return gen
 
 
-RUNNERS = {"resin": run_resin, "hf": run_hf, "llamacpp": run_llamacpp, "vllm": run_vllm}
+RUNNERS = {"resin": run_resin, "resin-gguf": lambda args, prompts: run_resin(args, prompts, gguf=True),
+           "hf": run_hf, "llamacpp": run_llamacpp, "vllm": run_vllm}
 
 
 def main() -> None:

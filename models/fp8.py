@@ -160,7 +160,7 @@ def _ignored(model: nn.Module, name: str, config: Fp8Config) -> bool:
 def quantize_linears(model: nn.Module, config: Fp8Config) -> list[str]:
     """Replace every Linear / MergedLinear not ignored by an Fp8Linear; returns the names replaced. Ignore lists
     name checkpoint modules, so they are matched against each module's checkpoint names."""
-    # lm_head stays in the model dtype: compute_logits reads its weight directly (checkpoints ignore it too)
+    # lm_head stays in the model dtype (fp8 checkpoints leave it unquantised too)
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, (Linear, MergedLinear)) and name != "lm_head"
                and not _ignored(model, name, config)]

@@ -162,8 +162,7 @@ class Gemma2ForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = hal.LINEAR(hidden, weight)
+        logits = self.model.embed_tokens.project(hidden) if self.lm_head is None else self.lm_head(hidden)
         cap = self.config.final_soft_cap
         return logits if not cap else cap * torch.tanh(logits / cap)
 

@@ -1,17 +1,19 @@
 """Reading a GGUF file as a Hugging Face-shaped config plus HF-named tensors.
 
-Quantised tensors are dequantised through the `gguf` package (to fp32). llama.cpp's tensor names are mapped back
-to Hugging Face's, and for the Llama family the q/k row permutation llama.cpp applies for its rotary layout is
-undone, so the rest of Resin sees the same weights a safetensors checkpoint would give.
+llama.cpp's tensor names are mapped back to Hugging Face's, and for the Llama family the q/k row permutation
+llama.cpp applies for its rotary layout is undone, so the rest of Resin sees the same weights a safetensors
+checkpoint would give. Tensors the model keeps packed (`packed` names, see models/quantized.py) are read as their
+raw (rows, row bytes) uint8 blocks; the rest are dequantised through the `gguf` package (to fp32).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Collection, Iterator
 
 import numpy as np
 import torch
 
+from resin.hal.quant import FORMATS
 from resin.models import MODEL_REGISTRY, MODEL_TYPES
 
 _LAYER_NAMES = {
@@ -79,26 +81,46 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
+class GgufCheckpoint:
+    """A GGUF file read lazily: its HF-shaped config, which tensors could stay packed, then the tensors."""
 
-    reader = GGUFReader(str(path))
-    config = gguf_config(reader)
-    permute = MODEL_REGISTRY[config["architectures"][0]].gguf_permutes_qk
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
 
-    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        for t in reader.tensors:
+        self.reader = GGUFReader(str(path))
+        self.config = gguf_config(self.reader)
+        self.permute = MODEL_REGISTRY[self.config["architectures"][0]].gguf_permutes_qk
+
+    def packable(self) -> dict[str, str]:
+        """HF name -> packed type, for each 2-D tensor stored in a type Resin's quant_linear takes packed."""
+        out = {}
+        for t in self.reader.tensors:
+            name, qtype = hf_tensor_name(t.name), t.tensor_type.name.lower()
+            if name is not None and qtype in FORMATS and len(t.shape) == 2:
+                out[name] = qtype
+        return out
+
+    def tensors(self, packed: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf.quants import dequantize
+
+        for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 continue
-            data = dequantize(t.data, t.tensor_type)
-            shape = tuple(int(x) for x in reversed(t.shape))
-            w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # a writable copy
-            if permute and name.endswith("q_proj.weight"):
-                w = unpermute_qk(w, config["num_attention_heads"])
-            elif permute and name.endswith("k_proj.weight"):
-                w = unpermute_qk(w, config["num_key_value_heads"])
+            if name in packed:  # the file's blocks as they are: (rows, row bytes) uint8
+                w = torch.from_numpy(np.array(t.data, dtype=np.uint8))
+            else:
+                data = dequantize(t.data, t.tensor_type)
+                shape = tuple(int(x) for x in reversed(t.shape))
+                w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # a writable copy
+            if self.permute and name.endswith("q_proj.weight"):
+                w = unpermute_qk(w, self.config["num_attention_heads"])
+            elif self.permute and name.endswith("k_proj.weight"):
+                w = unpermute_qk(w, self.config["num_key_value_heads"])
             yield name, w
 
-    return config, tensors()
+
+def read_gguf(path: Path) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:
+    """(config, every tensor dequantised to fp32)."""
+    checkpoint = GgufCheckpoint(path)
+    return checkpoint.config, checkpoint.tensors()

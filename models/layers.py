@@ -126,6 +126,10 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return hal.EMBEDDING(ids, self.weight)
 
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits through the table: the lm_head of a model with tied embeddings."""
+        return hal.LINEAR(hidden, self.weight)
+
 
 class Rotary(nn.Module):
     def __init__(self, head_size: int, rot_dim: int, max_positions: int, base: float,

@@ -12,7 +12,8 @@ from torch import nn
 from resin.hal.fp8 import FP8_DTYPES
 from resin.models import resolve_architecture
 from resin.models.fp8 import convert_after_loading, parse_quant_config, quantize_linears
-from resin.models.gguf_loader import read_gguf
+from resin.models.gguf_loader import GgufCheckpoint
+from resin.models.quantized import pack_gguf_layers, quantize_int8
 
 
 @dataclass
@@ -41,8 +42,9 @@ def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
                 yield name, st.get_tensor(name)
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]], Path | None]:
-    """(HF config dict, (name, tensor) pairs, the GGUF file if that is what was read)."""
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]] | GgufCheckpoint,
+                                              Path | None]:
+    """(HF config dict, (name, tensor) pairs or the GGUF checkpoint to read them from, the GGUF file if any)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist: give a folder with config.json and "
@@ -50,8 +52,8 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[st
     if p.is_file():
         if p.suffix != ".gguf":
             raise ValueError(f"{p} is a file but not a .gguf; give a .gguf file or a Hugging Face model folder")
-        config, tensors = read_gguf(p)
-        return config, tensors, p
+        checkpoint = GgufCheckpoint(p)
+        return checkpoint.config, checkpoint, p
     files = _safetensors_files(p)
     if not files:
         ggufs = sorted(p.glob("*.gguf"))
@@ -108,16 +110,37 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}")
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               fp8_dtype: torch.dtype | None = None) -> LoadedModel:
-    """fp8_dtype: the platform's fp8 flavour; fp8 checkpoints are converted to it (None keeps e4m3fn)."""
+QUANTIZATION = {
+    "auto": "GGUF weights stay in their packed types where quant_linear takes them; other checkpoints as stored",
+    "none": "GGUF weights are dequantised on load to --dtype (the dense path)",
+    "int8": "the linear layers of a safetensors checkpoint become weight-only int8, one scale per output row",
+}
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, fp8_dtype: torch.dtype | None = None,
+               quantization: str = "auto") -> LoadedModel:
+    """fp8_dtype: the platform's fp8 flavour; fp8 checkpoints are converted to it (None keeps e4m3fn).
+    quantization: one of QUANTIZATION."""
+    if quantization not in QUANTIZATION:
+        raise ValueError(f"quantization={quantization!r} is not supported; choose one of: "
+                         + "; ".join(f"{k} ({v})" for k, v in QUANTIZATION.items()))
     config, tensors, gguf_file = read_checkpoint(path)
     architecture, cls = resolve_architecture(config)
     model = cls(cls.parse_config(config), dtype)
     quant = parse_quant_config(config, mxfp4_reader=getattr(cls, "reads_mxfp4", False))
     if quant is not None:
         quantize_linears(model, quant)
+    if isinstance(tensors, GgufCheckpoint):
+        if quantization == "int8":
+            raise ValueError("--quantization int8 quantises safetensors checkpoints; a GGUF file is already "
+                             "quantised (its packed types run as they are with --quantization auto)")
+        packed = pack_gguf_layers(model, tensors.packable()) if quantization == "auto" else set()
+        tensors = tensors.tensors(packed)
     load_weights(model, tensors)
     if quant is not None:
         convert_after_loading(model, fp8_dtype)
+    if quantization == "int8":
+        if quant is not None:
+            raise ValueError("--quantization int8 needs an unquantised checkpoint; this one is already fp8")
+        quantize_int8(model)
     return LoadedModel(model.to(device).eval(), architecture, config, Path(path), gguf_file)

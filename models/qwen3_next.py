@@ -255,5 +255,4 @@ class Qwen3NextForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hal.LINEAR(hidden, weight)
+        return self.model.embed_tokens.project(hidden) if self.lm_head is None else self.lm_head(hidden)

@@ -25,6 +25,10 @@ def _engine_flags(p: argparse.ArgumentParser, with_model: bool = True) -> None:
     p.add_argument("--ops", default=None, help="provider overrides, e.g. attention=native (also RESIN_OPS)")
     p.add_argument("--no-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA/HIP graphs (GPU backends)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"],
+                   help="auto: GGUF weights stay packed (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and run on quant_linear; "
+                        "none: dequantise GGUF weights on load to --dtype; int8: weight-only int8 (per output row) "
+                        "for a safetensors model")
     p.add_argument("--self-check", default="on", choices=["on", "strict", "off"],
                    help="before serving, run every chosen provider against the native op on the model's shapes: "
                         "on drops a provider that disagrees (logged), strict refuses to start, off skips")
@@ -43,7 +47,7 @@ def _llm(args: argparse.Namespace):
 
     return LLM(args.model, backend=args.backend, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                max_model_len=args.max_model_len, ops=args.ops, enable_graphs=not args.no_graphs,
-               self_check=args.self_check)
+               self_check=args.self_check, quantization=args.quantization)
 
 
 def _params(args: argparse.Namespace, **extra):
@@ -109,7 +113,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                              kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_graphs=not args.no_graphs, self_check=args.self_check,
-                             enable_prefix_caching=not args.no_prefix_caching, ops=args.ops, seed=args.seed)
+                             enable_prefix_caching=not args.no_prefix_caching, ops=args.ops, seed=args.seed,
+                             quantization=args.quantization)
     if args.api_key is not None and not args.api_key.strip():
         # An empty key would silently leave the server open: someone meant to protect it.
         raise ValueError("the API key is empty (--api-key or $RESIN_API_KEY): set a real key, or unset it to serve "
@@ -140,7 +145,8 @@ def cmd_backends(args: argparse.Namespace) -> int:
         from resin.engine_builder import EngineArgs, load_checked
 
         checked = load_checked(EngineArgs(model=None if args.model == "builtin" else args.model,
-                                          backend=args.backend, dtype=args.dtype, ops=args.ops))
+                                          backend=args.backend, dtype=args.dtype, ops=args.ops,
+                                          quantization=args.quantization))
         sel, report = checked.selection, checked.check
     else:
         sel = hal.describe_backend(args.backend, arch=args.arch, ops=args.ops, libraries=libraries)
@@ -247,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "against native on this model's shapes ('builtin' for the "
                                                  "built-in model) and show what passed and what was dropped")
     p.add_argument("--dtype", default="auto", help="with --model: the dtype to check in")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8"],
+                   help="with --model: how its weights are held (as for resin run)")
     p.set_defaults(func=cmd_backends)
 
     p = sub.add_parser("models", help="supported architectures and the HAL ops each uses",

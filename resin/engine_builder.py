@@ -15,6 +15,7 @@ from resin.core.cache_layout import plan_cache_layout
 from resin.core.provider_check import SelfCheckReport
 from resin.core.self_check import SelfCheckError, run_self_check
 from resin.hal import Selection, select_backend
+from resin.models.quantized import describe_weights
 from resin.models.loader import LoadedModel, load_model
 from resin.tokenizer import eos_token_ids, load_tokenizer
 
@@ -43,10 +44,13 @@ def resolve_dtype(dtype: str | torch.dtype | None, selection: Selection) -> torc
     return _DTYPES[dtype]
 
 
-def builtin_model_path() -> Path:
+def builtin_model(quantization: str) -> tuple[Path, Path]:
+    """(the built-in model's folder: config, tokenizer; where to read its weights): its own GGUF file, kept packed,
+    unless the dense path is asked for (the folder's safetensors, dequantised once when the model was fetched)."""
     from resin.builtin import ensure_builtin_model
 
-    return ensure_builtin_model().path
+    status = ensure_builtin_model()
+    return status.path, status.gguf if quantization == "auto" else status.path
 
 
 def free_memory(selection: Selection) -> int:
@@ -73,6 +77,7 @@ class EngineArgs:
     ops: str | dict[str, str] | None = None
     enable_graphs: bool = True  # capture decode graphs where the platform has them (GPUs); --no-graphs
     self_check: str = "on"  # every chosen provider against native before serving: on (drop failures), strict, off
+    quantization: str = "auto"  # auto (GGUF stays packed), none (dequantise GGUF on load), int8 (see QUANTIZATION)
 
 
 @dataclass
@@ -100,8 +105,11 @@ def load_checked(args: EngineArgs) -> CheckedModel:
     """Select the backend, load the model, and check every provider it will call against native."""
     selection = select_backend(args.backend, args.ops)
     dtype = resolve_dtype(args.dtype, selection)
-    path = Path(args.model).expanduser() if args.model is not None else builtin_model_path()
-    loaded = load_model(path, dtype, selection.platform.device, selection.platform.fp8_dtype)
+    if args.model is not None:
+        path = weights = Path(args.model).expanduser()
+    else:
+        path, weights = builtin_model(args.quantization)
+    loaded = load_model(weights, dtype, selection.platform.device, selection.platform.fp8_dtype, args.quantization)
     check = run_self_check(loaded.model, dtype, selection.platform.device, args.block_size, args.self_check)
     for failed in check.failed if check else []:
         selection.drop(failed.op, failed.provider, f"failed the self-check on {failed.call} "
@@ -113,7 +121,7 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
     checked = load_checked(args)
     selection, dtype, path, loaded, check = (checked.selection, checked.dtype, checked.path, checked.loaded,
                                              checked.check)
-    tokenizer = load_tokenizer(path, loaded.gguf_file)
+    tokenizer = load_tokenizer(path, loaded.gguf_file if args.model is not None else None)
     gen_config_file = path / "generation_config.json" if path.is_dir() else None
     gen_config = json.loads(gen_config_file.read_text()) if gen_config_file and gen_config_file.exists() else {}
 
@@ -159,6 +167,7 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
              "sequence", selection.backend.name, selection.platform.device_name, selection.platform.arch,
              str(dtype).removeprefix("torch."), num_blocks, args.block_size,
              (num_blocks + 1) * layout.page_bytes / (1 << 20), engine.capacity_tokens)
+    log.info("weights: %s", describe_weights(loaded.model))
     for line in layout.describe(loaded.model.attention_layers, dtype):
         log.info("KV cache, %s", line)
     if recurrent:

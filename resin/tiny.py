@@ -73,3 +73,22 @@ def save_tiny_model(folder: Path, arch: str, seed: int = 0, tokenizer: Any = Non
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return model
+
+
+# Where each packed GGUF type keeps its fp16 scales (byte offsets in a block): random bytes elsewhere are valid.
+_SCALE_BYTES = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_packed(qtype: str, rows: int, in_features: int, generator: torch.Generator | None = None,
+                  scale: float = 0.02) -> torch.Tensor:
+    """Random (rows, row bytes) blocks of a packed GGUF type: every quant bit random, fp16 scales in
+    [0, scale) (a min field is a scale too) so values stay finite."""
+    from resin.hal.quant import quant_format
+
+    fmt = quant_format(qtype)
+    blocks = torch.randint(0, 256, (rows, in_features // fmt.block, fmt.block_bytes), dtype=torch.uint8,
+                           generator=generator)
+    for offset in _SCALE_BYTES[qtype]:
+        value = (torch.rand(rows, in_features // fmt.block, 1, generator=generator) * scale).half()
+        blocks[..., offset:offset + 2] = value.view(torch.uint8)
+    return blocks.reshape(rows, -1).contiguous()

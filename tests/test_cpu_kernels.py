@@ -144,7 +144,7 @@ def test_missing_compiler_is_named(monkeypatch):
 def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("#error this source does not compile\n")
-    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "SOURCES", [broken])
     monkeypatch.setattr(kernels, "build_dir", lambda: tmp_path / "build")
     module, reason = kernels.load.__wrapped__()  # uncached: the real build of a broken source
     assert module is None and "building Resin's CPU kernels failed" in reason and "error" in reason
@@ -162,7 +162,7 @@ def test_stale_build_lock_does_not_hang(monkeypatch, tmp_path):
     broken.write_text("#error this source does not compile\n")
     (tmp_path / "build").mkdir()
     (tmp_path / "build" / "lock").write_text("")
-    monkeypatch.setattr(kernels, "SOURCE", broken)
+    monkeypatch.setattr(kernels, "SOURCES", [broken])
     monkeypatch.setattr(kernels, "build_dir", lambda: tmp_path / "build")
     module, reason = kernels.load.__wrapped__()
     assert module is None and "failed" in reason

@@ -1,6 +1,7 @@
-"""Resin's C++ CPU kernels (csrc/cpu_kernels.cpp): built once per machine, then providers of the per-layer ops.
+"""Resin's C++ CPU kernels (csrc/*.cpp): built once per machine, then providers of the per-layer ops and of
+linear layers over quantised weights.
 
-The source is compiled with the machine's C++ compiler through torch.utils.cpp_extension (ninja) on first use
+The sources are compiled with the machine's C++ compiler through torch.utils.cpp_extension (ninja) on first use
 and cached under the Resin cache folder, keyed by the source, the torch version, the Python ABI, the compiler and
 the CPU's instruction set (it is built with -march=native). Without a compiler, or if the build fails, the `cpp`
 providers report why and the ops fall through to the plain-torch providers: the engine never depends on the build.
@@ -29,7 +30,7 @@ from resin.hal.registry import derived
 
 log = logging.getLogger("resin")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "quant_kernels.cpp")]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED = "build-failed.txt"  # in the build folder: the first error of a failed build, so later starts skip it
 # -fno-trapping-math lets GCC vectorise floor and float selects (it changes no value, only FP exception flags);
@@ -64,8 +65,9 @@ def _compiler_version(compiler: str) -> str:
 def build_dir() -> Path:
     from resin.builtin import cache_root
 
-    parts = [SOURCE.read_bytes(), torch.__version__, sysconfig.get_config_var("EXT_SUFFIX") or "", " ".join(_FLAGS),
-             _compiler_version(_compiler()), _cpu_signature()]
+    parts = [*(source.read_bytes() for source in SOURCES), torch.__version__,
+             sysconfig.get_config_var("EXT_SUFFIX") or "", " ".join(_FLAGS), _compiler_version(_compiler()),
+             _cpu_signature()]
     key = hashlib.sha256(b"\0".join(x if isinstance(x, bytes) else x.encode() for x in parts)).hexdigest()[:16]
     return cache_root() / "cpu_kernels" / key
 
@@ -116,7 +118,8 @@ def load() -> tuple[ModuleType | None, str]:
         with open(folder / "resin.flock", "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
             (folder / "lock").unlink(missing_ok=True)
-            module = cpp_extension.load(name=name, sources=[str(SOURCE)], build_directory=str(folder),
+            module = cpp_extension.load(name=name, sources=[str(source) for source in SOURCES],
+                                        build_directory=str(folder),
                                         extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # a broken toolchain must not take the engine down: the torch providers serve
         errors = [line for line in str(e).splitlines() if "error" in line] or [type(e).__name__]

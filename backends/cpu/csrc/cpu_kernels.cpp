@@ -543,6 +543,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 
 }  // namespace
 
+// quant_kernels.cpp: linear layers over weights kept quantised (GGUF blocks, per-channel int8).
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const std::string& qtype,
+                        const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias);
+at::Tensor quant_dequantize(const at::Tensor& qweight, const std::string& qtype,
+                            const c10::optional<at::Tensor>& scales, at::ScalarType dtype);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add then RMSNorm; returns (normed, residual)");
@@ -550,4 +556,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("write_kv", &write_kv, "store new keys and values at their slots of the head-major cache");
   m.def("paged_decode_attention", &paged_decode_attention, "one-query-per-sequence attention over a paged cache");
+  m.def("quant_matmul", &quant_matmul, "x @ dequantize(qweight).T * scales + bias, weights unpacked row by row");
+  m.def("quant_dequantize", &quant_dequantize, "quantised rows -> (N, K) float32 or bfloat16");
 }

@@ -1,0 +1,454 @@
+// Linear layers over weights kept quantised: GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) and per-channel int8.
+//
+// Why: a batch-1 decode step reads every weight once, so its time is the bytes of weights read; a Q4_1 weight is
+// 5 bits instead of bf16's 16. The kernels dequantise a weight row into fp32 (the value the HAL's native
+// dequantiser gives, up to an fma contraction) and dot it with each activation row in fp32, so they differ from
+// native (dequantise, then an fp32 matmul) only in summation order. The row buffer stays in L1/L2 and serves every
+// activation row, so a weight is unpacked once per call whatever the batch. Large batches go to `dequantize`
+// (tiles of weights in the activation dtype) and torch's GEMM instead: see backends/cpu/quant.py.
+//
+// Block layouts are ggml's (ggml-common.h); hal/quant.py has the same decoders in torch and documents them.
+// The decoders are plain loops over fixed-size blocks, written for -march=native auto-vectorisation.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#include <string>
+#include <vector>
+
+namespace {
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+#if defined(__AVX512F__)
+// 16 bytes -> 16 int32 lanes; the decoders below unpack 16 weights at a time with these.
+inline __m512i u8x16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 low4(__m512i v) { return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))); }
+inline __m512 high4(__m512i v) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)); }
+#endif
+
+struct Q8_0 {
+  static constexpr int kBlock = 32, kBytes = 34;
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = f16(b);
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+#if defined(__AVX512F__)
+    const __m512 vd = _mm512_set1_ps(d);
+    for (int i = 0; i < 32; i += 16) {
+      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i)));
+      _mm512_storeu_ps(y + i, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(v)));
+    }
+    return;
+#endif
+    for (int i = 0; i < 32; ++i) y[i] = d * q[i];
+  }
+};
+
+struct Q4_0 {
+  static constexpr int kBlock = 32, kBytes = 18;
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = f16(b);
+    const uint8_t* q = b + 2;
+#if defined(__AVX512F__)
+    const __m512 vd = _mm512_set1_ps(d), eight = _mm512_set1_ps(8.f);
+    const __m512i v = u8x16(q);
+    _mm512_storeu_ps(y, _mm512_mul_ps(vd, _mm512_sub_ps(low4(v), eight)));
+    _mm512_storeu_ps(y + 16, _mm512_mul_ps(vd, _mm512_sub_ps(high4(v), eight)));
+    return;
+#endif
+    for (int i = 0; i < 16; ++i) {
+      y[i] = d * static_cast<float>((q[i] & 0xF) - 8);
+      y[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+    }
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kBlock = 32, kBytes = 20;
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = f16(b), m = f16(b + 2);
+    const uint8_t* q = b + 4;
+#if defined(__AVX512F__)
+    const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
+    const __m512i v = u8x16(q);
+    _mm512_storeu_ps(y, _mm512_fmadd_ps(vd, low4(v), vm));
+    _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(vd, high4(v), vm));
+    return;
+#endif
+    for (int i = 0; i < 16; ++i) {
+      y[i] = d * static_cast<float>(q[i] & 0xF) + m;
+      y[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+    }
+  }
+};
+
+// The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K super-block, packed into 12 bytes.
+inline void k_scales(const uint8_t* s, float d, float dmin, float* scale, float* mins) {
+  for (int j = 0; j < 4; ++j) {
+    scale[j] = d * static_cast<float>(s[j] & 63);
+    mins[j] = dmin * static_cast<float>(s[j + 4] & 63);
+    scale[j + 4] = d * static_cast<float>((s[j + 8] & 0xF) | ((s[j] >> 6) << 4));
+    mins[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+  }
+}
+
+struct Q4_K {
+  static constexpr int kBlock = 256, kBytes = 144;
+  static void dequant(const uint8_t* b, float* y) {
+    float scale[8], mins[8];
+    k_scales(b + 4, f16(b), f16(b + 2), scale, mins);
+    const uint8_t* q = b + 16;
+    for (int c = 0; c < 4; ++c, q += 32, y += 64) {  // a 32-byte chunk holds sub-blocks 2c (low) and 2c+1 (high)
+      const float s0 = scale[2 * c], m0 = mins[2 * c], s1 = scale[2 * c + 1], m1 = mins[2 * c + 1];
+#if defined(__AVX512F__)
+      for (int l = 0; l < 32; l += 16) {
+        const __m512i v = u8x16(q + l);
+        _mm512_storeu_ps(y + l, _mm512_fmsub_ps(_mm512_set1_ps(s0), low4(v), _mm512_set1_ps(m0)));
+        _mm512_storeu_ps(y + l + 32, _mm512_fmsub_ps(_mm512_set1_ps(s1), high4(v), _mm512_set1_ps(m1)));
+      }
+      continue;
+#endif
+      for (int l = 0; l < 32; ++l) {
+        y[l] = s0 * static_cast<float>(q[l] & 0xF) - m0;
+        y[l + 32] = s1 * static_cast<float>(q[l] >> 4) - m1;
+      }
+    }
+  }
+};
+
+struct Q5_K {
+  static constexpr int kBlock = 256, kBytes = 176;
+  static void dequant(const uint8_t* b, float* y) {
+    float scale[8], mins[8];
+    k_scales(b + 4, f16(b), f16(b + 2), scale, mins);
+    const uint8_t* qh = b + 16;  // bit j of byte l: the fifth bit of weight l of sub-block j
+    const uint8_t* q = b + 48;
+    for (int c = 0; c < 4; ++c, q += 32, y += 64) {
+      const float s0 = scale[2 * c], m0 = mins[2 * c], s1 = scale[2 * c + 1], m1 = mins[2 * c + 1];
+#if defined(__AVX512F__)
+      const __m512i one = _mm512_set1_epi32(1), lo_mask = _mm512_set1_epi32(0xF);
+      for (int l = 0; l < 32; l += 16) {
+        const __m512i v = u8x16(q + l), h = u8x16(qh + l);
+        const __m512i h0 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * c), one), 4);
+        const __m512i h1 = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2 * c + 1), one), 4);
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(v, lo_mask), h0));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(v, 4), h1));
+        _mm512_storeu_ps(y + l, _mm512_fmsub_ps(_mm512_set1_ps(s0), w0, _mm512_set1_ps(m0)));
+        _mm512_storeu_ps(y + l + 32, _mm512_fmsub_ps(_mm512_set1_ps(s1), w1, _mm512_set1_ps(m1)));
+      }
+      continue;
+#endif
+      for (int l = 0; l < 32; ++l) {
+        const int h0 = ((qh[l] >> (2 * c)) & 1) << 4, h1 = ((qh[l] >> (2 * c + 1)) & 1) << 4;
+        y[l] = s0 * static_cast<float>((q[l] & 0xF) | h0) - m0;
+        y[l + 32] = s1 * static_cast<float>((q[l] >> 4) | h1) - m1;
+      }
+    }
+  }
+};
+
+struct Q6_K {
+  static constexpr int kBlock = 256, kBytes = 210;
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = f16(b + 208);
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int half = 0; half < 2; ++half, ql += 64, qh += 32, sc += 8, y += 128) {
+#if defined(__AVX512F__)
+      const __m512i three = _mm512_set1_epi32(3), lo_mask = _mm512_set1_epi32(0xF), bias = _mm512_set1_epi32(32);
+      for (int l = 0; l < 32; l += 16) {  // the 16 weights of each output group share one scale
+        const int is = l / 16;
+        const __m512i a = u8x16(ql + l), b2 = u8x16(ql + l + 32), h = u8x16(qh + l);
+        const __m512i q[4] = {
+            _mm512_or_si512(_mm512_and_si512(a, lo_mask), _mm512_slli_epi32(_mm512_and_si512(h, three), 4)),
+            _mm512_or_si512(_mm512_and_si512(b2, lo_mask),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 2), three), 4)),
+            _mm512_or_si512(_mm512_srli_epi32(a, 4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 4), three), 4)),
+            _mm512_or_si512(_mm512_srli_epi32(b2, 4),
+                            _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 6), three), 4))};
+        for (int g = 0; g < 4; ++g) {
+          const __m512 scale = _mm512_set1_ps(d * static_cast<float>(sc[is + 2 * g]));
+          _mm512_storeu_ps(y + l + 32 * g, _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(q[g], bias))));
+        }
+      }
+      continue;
+#endif
+      for (int l = 0; l < 32; ++l) {
+        const int is = l / 16;
+        const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+        const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+        y[l] = d * static_cast<float>(sc[is]) * static_cast<float>(q1);
+        y[l + 32] = d * static_cast<float>(sc[is + 2]) * static_cast<float>(q2);
+        y[l + 64] = d * static_cast<float>(sc[is + 4]) * static_cast<float>(q3);
+        y[l + 96] = d * static_cast<float>(sc[is + 6]) * static_cast<float>(q4);
+      }
+    }
+  }
+};
+
+// Per-channel int8: the row's scale is applied to the dot product, not to each weight.
+struct Int8 {
+  static constexpr int kBlock = 32, kBytes = 32;
+  static void dequant(const uint8_t* b, float* y) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(b);
+    for (int i = 0; i < 32; ++i) y[i] = static_cast<float>(q[i]);
+  }
+};
+
+template <class F>
+void dequant_row(const uint8_t* row, int64_t k, float* y) {
+  const int64_t full = k / F::kBlock;
+  for (int64_t b = 0; b < full; ++b) F::dequant(row + b * F::kBytes, y + b * F::kBlock);
+  if constexpr (std::is_same_v<F, Int8>) {  // int8 rows need not fill whole 32-weight chunks
+    for (int64_t i = full * F::kBlock; i < k; ++i) y[i] = static_cast<float>(reinterpret_cast<const int8_t*>(row)[i]);
+  }
+}
+
+// dot(a, b) over k floats with 32 independent partial sums, so the compiler vectorises it.
+inline float dot(const float* a, const float* b, int64_t k) {
+  float acc[32] = {0};
+  int64_t i = 0;
+  for (; i + 32 <= k; i += 32)
+    for (int j = 0; j < 32; ++j) acc[j] += a[i + j] * b[i + j];
+  float tail = 0.f;
+  for (; i < k; ++i) tail += a[i] * b[i];
+  float s = 0.f;
+  for (int j = 0; j < 32; ++j) s += acc[j];
+  return s + tail;
+}
+
+template <class F, typename out_t>
+void matmul_kernel(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n,
+                   const float* scales, const float* bias, out_t* out) {
+  // ~64 KiB of weights per task: enough work to amortise a task, enough tasks to balance two to many cores.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> wrow(k);
+    for (int64_t r = n0; r < n1; ++r) {
+      dequant_row<F>(w + r * row_bytes, k, wrow.data());
+      const float s = scales ? scales[r] : 1.f, b = bias ? bias[r] : 0.f;
+      for (int64_t i = 0; i < m; ++i) out[i * n + r] = static_cast<out_t>(dot(wrow.data(), x + i * k, k) * s + b);
+    }
+  });
+}
+
+template <class F, typename out_t>
+void dequant_kernel(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t k, const float* scales, out_t* out) {
+  at::parallel_for(0, n, std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1)),
+                   [&](int64_t n0, int64_t n1) {
+    std::vector<float> wrow(k);
+    for (int64_t r = n0; r < n1; ++r) {
+      dequant_row<F>(w + r * row_bytes, k, wrow.data());
+      const float s = scales ? scales[r] : 1.f;
+      for (int64_t i = 0; i < k; ++i) out[r * k + i] = static_cast<out_t>(wrow[i] * s);
+    }
+  });
+}
+
+template <typename Fn>
+void dispatch_format(const std::string& qtype, Fn&& fn) {
+  if (qtype == "q8_0") return fn(Q8_0{});
+  if (qtype == "q4_0") return fn(Q4_0{});
+  if (qtype == "q4_1") return fn(Q4_1{});
+  if (qtype == "q4_k") return fn(Q4_K{});
+  if (qtype == "q5_k") return fn(Q5_K{});
+  if (qtype == "q6_k") return fn(Q6_K{});
+  if (qtype == "int8") return fn(Int8{});
+  TORCH_CHECK(false, "quantisation type ", qtype, " has no kernel");
+}
+
+int64_t in_features(const at::Tensor& qweight, const std::string& qtype) {
+  int64_t k = 0;
+  dispatch_format(qtype, [&](auto f) {
+    using F = decltype(f);
+    k = std::is_same_v<F, Int8> ? qweight.size(1) : qweight.size(1) / F::kBytes * F::kBlock;
+  });
+  return k;
+}
+
+const float* optional_floats(const c10::optional<at::Tensor>& t, int64_t n, const char* name) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, name,
+              " must be contiguous float32 with one value per output row");
+  return t->const_data_ptr<float>();
+}
+
+
+#if defined(__AVX512BF16__)
+// The bf16 fast path for the 32-weight types (the built-in model's Q4_1 and Q8_0, and Q4_0): a block's quants
+// become 32 exact bf16 values (a 4-bit code through a 32-entry table, an int8 through fp32) that vdpbf16ps
+// multiplies with 32 bf16 activations, exactly, summing in fp32; the block's scale is applied to that partial
+// sum and Q4_1's min to the block's activation sum. So a weight costs a few instructions and no unpacked copy:
+// the same products as native's fp32 matmul over bf16 inputs, summed in another order.
+inline __m512i bf16_table(int offset) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) t[i] = c10::BFloat16(static_cast<float>(i + offset)).x;
+  return _mm512_load_si512(t);
+}
+
+inline __m512i nibbles_in_order(const uint8_t* q) {  // byte j -> codes j (low) and j + 16 (high), as 32 x 16 bit
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0xF)), hi = _mm256_srli_epi16(v, 4);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+struct FusedQ4_0 {
+  static constexpr int kBytes = 18;
+  static constexpr bool kMin = false;
+  __m512i table = bf16_table(-8);
+  __m512i weights(const uint8_t* b, float& d, float& m) const {
+    d = f16(b);
+    m = 0.f;
+    return _mm512_permutexvar_epi16(nibbles_in_order(b + 2), table);
+  }
+};
+
+struct FusedQ4_1 {
+  static constexpr int kBytes = 20;
+  static constexpr bool kMin = true;
+  __m512i table = bf16_table(0);
+  __m512i weights(const uint8_t* b, float& d, float& m) const {
+    d = f16(b);
+    m = f16(b + 2);
+    return _mm512_permutexvar_epi16(nibbles_in_order(b + 4), table);
+  }
+};
+
+struct FusedQ8_0 {
+  static constexpr int kBytes = 34;
+  static constexpr bool kMin = false;
+  __m512i weights(const uint8_t* b, float& d, float& m) const {
+    d = f16(b);
+    m = 0.f;
+    const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
+    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // int8 values are exact in bf16
+  }
+};
+
+template <class D, int MR, typename out_t>
+void fused_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint16_t* x,
+                int64_t k, const float* xsum, int64_t rows, const float* bias, out_t* out, int64_t n) {
+  const int64_t nb = k / 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    __m512 acc[MR];
+    float macc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps(), macc[i] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float d, m;
+      const __m512bh wq = reinterpret_cast<__m512bh>(dec.weights(row + b * D::kBytes, d, m));
+      const __m512 vd = _mm512_set1_ps(d);
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i * k + b * 32));
+        acc[i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wq, xv), vd, acc[i]);
+        if constexpr (D::kMin) macc[i] += m * xsum[i * nb + b];
+      }
+    }
+    const float bb = bias ? bias[r] : 0.f;
+    for (int i = 0; i < MR; ++i) out[i * n + r] = static_cast<out_t>(_mm512_reduce_add_ps(acc[i]) + macc[i] + bb);
+  }
+}
+
+template <class D>
+void fused_matmul(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64_t n, const float* bias,
+                  at::Tensor& out) {
+  const int64_t m = x.size(0), k = x.size(1), nb = k / 32;
+  const auto* xb = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+  std::vector<float> xsum(D::kMin ? m * nb : 0);  // Q4_1's min multiplies each block's activation sum
+  if constexpr (D::kMin)
+    for (int64_t i = 0; i < m * nb; ++i) {
+      float s = 0.f;
+      for (int j = 0; j < 32; ++j) s += static_cast<float>(c10::BFloat16(xb[i * 32 + j], c10::BFloat16::from_bits()));
+      xsum[i] = s;
+    }
+  const D dec;
+  auto* o = out.data_ptr<c10::BFloat16>();
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
+  at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4)
+      fused_rows<D, 4>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, m, bias, o + i * n, n);
+    for (; i < m; ++i)
+      fused_rows<D, 1>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, m, bias, o + i * n, n);
+  });
+}
+
+bool try_fused(const at::Tensor& x, const at::Tensor& qweight, const std::string& qtype, const float* scales,
+               const float* bias, at::Tensor& out) {
+  if (x.scalar_type() != at::kBFloat16 || scales != nullptr || !x.is_contiguous()) return false;
+  const auto* w = static_cast<const uint8_t*>(qweight.const_data_ptr());
+  if (qtype == "q4_0") fused_matmul<FusedQ4_0>(x, w, qweight.size(1), qweight.size(0), bias, out);
+  else if (qtype == "q4_1") fused_matmul<FusedQ4_1>(x, w, qweight.size(1), qweight.size(0), bias, out);
+  else if (qtype == "q8_0") fused_matmul<FusedQ8_0>(x, w, qweight.size(1), qweight.size(0), bias, out);
+  else return false;
+  return true;
+}
+#else
+bool try_fused(const at::Tensor&, const at::Tensor&, const std::string&, const float*, const float*, at::Tensor&) {
+  return false;
+}
+#endif
+
+}  // namespace
+
+// out (M, N) = x (M, K) @ dequantize(qweight).T * scales + bias, in x's dtype; scales and bias float32.
+at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const std::string& qtype,
+                        const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.is_contiguous(), "x (M, K), qweight (N, row bytes)");
+  const int64_t m = x.size(0), n = qweight.size(0), k = in_features(qweight, qtype);
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const float* s = optional_floats(scales, n, "scales");
+  const float* b = optional_floats(bias, n, "bias");
+  if (try_fused(x, qweight, qtype, s, b, out)) return out;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  dispatch_format(qtype, [&](auto f) {
+    using F = decltype(f);
+    const auto* w = static_cast<const uint8_t*>(qweight.const_data_ptr());
+    if (out.scalar_type() == at::kFloat)
+      matmul_kernel<F>(xf.const_data_ptr<float>(), m, k, w, qweight.size(1), n, s, b, out.data_ptr<float>());
+    else if (out.scalar_type() == at::kBFloat16)
+      matmul_kernel<F>(xf.const_data_ptr<float>(), m, k, w, qweight.size(1), n, s, b, out.data_ptr<c10::BFloat16>());
+    else
+      TORCH_CHECK(false, "quant_matmul: x must be float32 or bfloat16");
+  });
+  return out;
+}
+
+// (N, K) weights in `dtype` (float32 or bfloat16), rows scaled by scales where given.
+at::Tensor quant_dequantize(const at::Tensor& qweight, const std::string& qtype,
+                            const c10::optional<at::Tensor>& scales, at::ScalarType dtype) {
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(), "qweight (N, row bytes), contiguous");
+  const int64_t n = qweight.size(0), k = in_features(qweight, qtype);
+  at::Tensor out = at::empty({n, k}, qweight.options().dtype(dtype));
+  const float* s = optional_floats(scales, n, "scales");
+  dispatch_format(qtype, [&](auto f) {
+    using F = decltype(f);
+    const auto* w = static_cast<const uint8_t*>(qweight.const_data_ptr());
+    if (dtype == at::kFloat)
+      dequant_kernel<F>(w, qweight.size(1), n, k, s, out.data_ptr<float>());
+    else if (dtype == at::kBFloat16)
+      dequant_kernel<F>(w, qweight.size(1), n, k, s, out.data_ptr<c10::BFloat16>());
+    else
+      TORCH_CHECK(false, "quant_dequantize: dtype must be float32 or bfloat16");
+  });
+  return out;
+}

@@ -1,0 +1,102 @@
+"""quant_linear: the native dequantisers against the gguf package's, and the cpu provider against native, on fresh
+random blocks of every packed type each run (odd row counts, batches on both sides of the GEMM switch, biases).
+
+Bounds. fp32: the provider sums in another order than native, so it may differ by fp32 reassociation over K
+terms: K * eps32 * sum_k |x_k w_k| (a wrong nibble or a misread scale moves an output by a whole block's share of
+that sum, ~32/K of it, far above). bf16: native rounds once to bf16; the provider rounds once too (the GEMM path
+also rounds each weight to bf16 first), so each may sit a bf16 step off: 2^-8 (|ref| + sum_k |x_k w_k|).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from resin import hal
+from resin.backends.cpu import kernels, quant
+from resin.hal.platform import cpu_platform
+from resin.hal.quant import FORMATS, INT8, dequantize
+from resin.tiny import random_packed
+
+pytestmark = pytest.mark.kernels
+
+if kernels.missing_toolchain():  # only a missing toolchain skips; a build error of the source fails
+    pytest.skip(f"requires a C++ compiler and ninja: {kernels.missing_toolchain()}", allow_module_level=True)
+_OK, _WHY = kernels.supported(cpu_platform())
+if not _OK:
+    raise RuntimeError(f"Resin's CPU kernels did not build: {_WHY}")
+
+
+def _seeded() -> torch.Generator:
+    seed = int(torch.randint(0, 2**31, (1,)).item())
+    print(f"seed {seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_native_dequantisers_equal_the_gguf_package(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    w = random_packed(qtype, 7, 512, _seeded())
+    ref = gguf_dequantize(w.numpy(), getattr(GGMLQuantizationType, qtype.upper())).reshape(7, 512)
+    assert np.array_equal(dequantize(w, qtype).numpy(), ref)
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    magnitude = x.double().abs() @ w.double().abs().T
+    if dtype == torch.float32:
+        return x.shape[-1] * torch.finfo(torch.float32).eps * magnitude + 1e-30
+    return 2.0 ** -8 * (ref.double().abs() + magnitude)
+
+
+def _check(x, qweight, qtype, scales=None, bias=None):
+    ref = hal.QUANT_LINEAR.native(x, qweight, qtype, scales, bias)
+    got = quant.quant_linear(x, qweight, qtype, scales, bias)
+    assert got.dtype == x.dtype and got.shape == ref.shape
+    w = dequantize(qweight, qtype, scales)
+    err = (got.double() - ref.double()).abs()
+    bound = _bound(x, w, ref, x.dtype) + (0 if bias is None else 2.0 ** -8 * bias.double().abs())
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"{qtype} {tuple(x.shape)} {x.dtype}: error {worst:.2f}x the bound"
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, quant.GEMM_MIN_ROWS - 1, quant.GEMM_MIN_ROWS, 40])
+def test_packed_provider_matches_native(qtype, dtype, rows):
+    g = _seeded()
+    for in_features in sorted({FORMATS[qtype].block * 3, 512}):
+        qweight = random_packed(qtype, 37, in_features, g)
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        _check(x, qweight, qtype)
+    bias = torch.randn(37, generator=g)
+    _check(torch.randn(2, rows, 512, generator=g).to(dtype), random_packed(qtype, 37, 512, g), qtype, bias=bias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_int8_provider_matches_native(dtype, rows):
+    g = _seeded()
+    for in_features in (100, 576):  # 100: not a whole number of 32-weight chunks
+        qweight = torch.randint(-127, 128, (37, in_features), dtype=torch.int8, generator=g)
+        scales = torch.rand(37, generator=g) * 0.01
+        x = torch.randn(rows, in_features, generator=g).to(dtype)
+        _check(x, qweight, INT8, scales, torch.randn(37, generator=g))
+
+
+def test_cpu_backend_chooses_the_packed_kernels():
+    sel = hal.select_backend("cpu", install=False)
+    assert sel.table["quant_linear"].chosen == "cpp", sel.format_table()
+
+
+def test_unsupported_calls_are_declined_with_a_reason():
+    w = random_packed("q4_1", 4, 64)
+    assert "float32 or bfloat16" in quant.supports_args(torch.randn(1, 64).half(), w, "q4_1")
+    assert "contiguous 2-D" in quant.supports_args(torch.randn(1, 64), w[:, ::2], "q4_1")
+    assert quant.supports_args(torch.randn(1, 64), w, "q4_1") is None
+
+
+def test_in_features_must_fill_whole_blocks():
+    with pytest.raises(ValueError, match="blocks of 256"):
+        FORMATS["q4_k"].row_bytes(300)
