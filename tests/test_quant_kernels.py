@@ -100,3 +100,14 @@ def test_unsupported_calls_are_declined_with_a_reason():
 def test_in_features_must_fill_whole_blocks():
     with pytest.raises(ValueError, match="blocks of 256"):
         FORMATS["q4_k"].row_bytes(300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_path_in_tiles(monkeypatch, dtype):
+    """Large weights are unpacked a tile of rows at a time: uneven tiles, biases and int8 scales stay aligned."""
+    g = _seeded()
+    monkeypatch.setattr(quant, "TILE_BYTES", 8 * 512 * 4)  # 8 rows of fp32 (16 of bf16) per tile, 37 rows
+    x = torch.randn(quant.GEMM_MIN_ROWS + 3, 512, generator=g).to(dtype)
+    _check(x, random_packed("q4_k", 37, 512, g), "q4_k", bias=torch.randn(37, generator=g))
+    qweight = torch.randint(-127, 128, (37, 512), dtype=torch.int8, generator=g)
+    _check(x, qweight, INT8, torch.rand(37, generator=g) * 0.01, torch.randn(37, generator=g))

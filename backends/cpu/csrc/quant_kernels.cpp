@@ -384,6 +384,8 @@ void fused_matmul(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
   at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
     int64_t i = 0;
+    for (; i + 8 <= m; i += 8)  // rows in groups share each unpacked block
+      fused_rows<D, 8>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, m, bias, o + i * n, n);
     for (; i + 4 <= m; i += 4)
       fused_rows<D, 4>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, m, bias, o + i * n, n);
     for (; i < m; ++i)
