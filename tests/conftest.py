@@ -34,6 +34,18 @@ CORPUS = [
 ]
 
 
+def require_cpu_kernels() -> None:
+    """For modules testing Resin's C++ kernels: only a missing toolchain skips; a build error of the source fails."""
+    from resin.backends.cpu import kernels
+    from resin.hal.platform import cpu_platform
+
+    if kernels.missing_toolchain():
+        pytest.skip(f"requires a C++ compiler and ninja: {kernels.missing_toolchain()}", allow_module_level=True)
+    ok, why = kernels.supported(cpu_platform())
+    if not ok:
+        raise RuntimeError(f"Resin's CPU kernels did not build: {why}")
+
+
 def save_tiny(tmp: Path, arch: str, tokenizer=None, seed: int = 0, **overrides):
     return save_tiny_model(tmp, arch, seed, tokenizer, **overrides)
 

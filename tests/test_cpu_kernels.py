@@ -12,17 +12,13 @@ import torch
 from resin import hal
 from resin.backends.cpu import kernels
 from resin.backends.cpu.attention import CppAttention
-from resin.hal.platform import cpu_platform
 
 from attention_batches import head_major_vs_native
+from conftest import require_cpu_kernels
 
 pytestmark = pytest.mark.kernels
 
-if kernels.missing_toolchain():  # only a missing toolchain skips; a build error of the source fails
-    pytest.skip(f"requires a C++ compiler and ninja: {kernels.missing_toolchain()}", allow_module_level=True)
-_OK, _WHY = kernels.supported(cpu_platform())
-if not _OK:
-    raise RuntimeError(f"Resin's CPU kernels did not build: {_WHY}")
+require_cpu_kernels()
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

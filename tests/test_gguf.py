@@ -33,15 +33,12 @@ def gguf_name(hf: str) -> str:
             "lm_head.weight": "output.weight"}[hf]
 
 
-def write_gguf(path, hf_model, arch: str, qtype=None):
-    """Write hf_model as llama.cpp would; with qtype, 2-D weights are quantised and hf_model is updated in place
-    to the dequantised values, so both sides hold the same numbers."""
+def gguf_writer(path, hf_model, arch: str):
+    """A GGUFWriter with the model's hyperparameters written as llama.cpp names them."""
     import gguf
-    from gguf.quants import dequantize, quantize
 
     cfg = hf_model.config
-    a = GGUF_ARCH[arch]
-    w = gguf.GGUFWriter(str(path), a)
+    w = gguf.GGUFWriter(str(path), GGUF_ARCH[arch])
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
@@ -52,6 +49,17 @@ def write_gguf(path, hf_model, arch: str, qtype=None):
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(10000.0)
     w.add_vocab_size(cfg.vocab_size)
+    return w
+
+
+def write_gguf(path, hf_model, arch: str, qtype=None):
+    """Write hf_model as llama.cpp would; with qtype, 2-D weights are quantised and hf_model is updated in place
+    to the dequantised values, so both sides hold the same numbers."""
+    from gguf.quants import dequantize, quantize
+
+    cfg = hf_model.config
+    a = GGUF_ARCH[arch]
+    w = gguf_writer(path, hf_model, arch)
     state = hf_model.state_dict()
     for name, tensor in state.items():
         if "rotary" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):

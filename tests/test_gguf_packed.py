@@ -11,7 +11,7 @@ from resin import LLM
 from resin.hal.quant import dequantize
 from resin.models.quantized import QuantEmbedding, QuantLinear, describe_weights
 from resin.tiny import random_hf_model, random_packed, tiny_hf_config
-from test_gguf import GGUF_ARCH, gguf_name, permute
+from test_gguf import GGUF_ARCH, gguf_name, gguf_writer, permute
 
 pytestmark = pytest.mark.parity
 
@@ -35,17 +35,7 @@ def write_packed_gguf(path, hf_model, arch: str, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     cfg = hf_model.config
     a = GGUF_ARCH[arch]
-    w = gguf.GGUFWriter(str(path), a)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_key_length(hf_model.model.layers[0].self_attn.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(cfg.vocab_size)
+    w = gguf_writer(path, hf_model, arch)
     for name, tensor in hf_model.state_dict().items():
         if "rotary" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue

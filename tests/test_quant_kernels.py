@@ -13,18 +13,15 @@ import pytest
 import torch
 
 from resin import hal
-from resin.backends.cpu import kernels, quant
-from resin.hal.platform import cpu_platform
+from resin.backends.cpu import quant
 from resin.hal.quant import FORMATS, INT8, dequantize
 from resin.tiny import random_packed
 
+from conftest import require_cpu_kernels
+
 pytestmark = pytest.mark.kernels
 
-if kernels.missing_toolchain():  # only a missing toolchain skips; a build error of the source fails
-    pytest.skip(f"requires a C++ compiler and ninja: {kernels.missing_toolchain()}", allow_module_level=True)
-_OK, _WHY = kernels.supported(cpu_platform())
-if not _OK:
-    raise RuntimeError(f"Resin's CPU kernels did not build: {_WHY}")
+require_cpu_kernels()
 
 
 def _seeded() -> torch.Generator:
