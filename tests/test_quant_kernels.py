@@ -1,7 +1,8 @@
 """quant_linear: the native dequantisers against the gguf package's, and the cpu provider against native, on fresh
 random blocks of every packed type each run (odd row counts, batches on both sides of the GEMM switch, biases).
 
-Bounds. fp32: the provider sums in another order than native, so it may differ by fp32 reassociation over K
+Every path is covered: few rows (exact products), bf16 batches (weights unpacked to bf16 rows), large batches
+(tiles unpacked into torch's GEMM). Bounds. fp32: the provider sums in another order than native, so it may differ by fp32 reassociation over K
 terms: K * eps32 * sum_k |x_k w_k| (a wrong nibble or a misread scale moves an output by a whole block's share of
 that sum, ~32/K of it, far above). bf16: native rounds once to bf16; the provider rounds once too (the GEMM path
 also rounds each weight to bf16 first), so each may sit a bf16 step off: 2^-8 (|ref| + sum_k |x_k w_k|).
@@ -60,7 +61,7 @@ def _check(x, qweight, qtype, scales=None, bias=None):
 
 @pytest.mark.parametrize("qtype", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, quant.GEMM_MIN_ROWS - 1, quant.GEMM_MIN_ROWS, 40])
+@pytest.mark.parametrize("rows", [1, 3, quant.GEMM_MIN_ROWS - 1, quant.GEMM_MIN_ROWS, 41, quant.ONEDNN_MIN_ROWS])
 def test_packed_provider_matches_native(qtype, dtype, rows):
     g = _seeded()
     for in_features in sorted({FORMATS[qtype].block * 3, 512}):
@@ -72,7 +73,7 @@ def test_packed_provider_matches_native(qtype, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 40])
+@pytest.mark.parametrize("rows", [1, 5, 40, quant.ONEDNN_MIN_ROWS])
 def test_int8_provider_matches_native(dtype, rows):
     g = _seeded()
     for in_features in (100, 576):  # 100: not a whole number of 32-weight chunks
@@ -104,7 +105,7 @@ def test_gemm_path_in_tiles(monkeypatch, dtype):
     """Large weights are unpacked a tile of rows at a time: uneven tiles, biases and int8 scales stay aligned."""
     g = _seeded()
     monkeypatch.setattr(quant, "TILE_BYTES", 8 * 512 * 4)  # 8 rows of fp32 (16 of bf16) per tile, 37 rows
-    x = torch.randn(quant.GEMM_MIN_ROWS + 3, 512, generator=g).to(dtype)
+    x = torch.randn(quant.ONEDNN_MIN_ROWS + 3, 512, generator=g).to(dtype)
     _check(x, random_packed("q4_k", 37, 512, g), "q4_k", bias=torch.randn(37, generator=g))
     qweight = torch.randint(-127, 128, (37, 512), dtype=torch.int8, generator=g)
     _check(x, qweight, INT8, torch.rand(37, generator=g) * 0.01, torch.randn(37, generator=g))

@@ -1,10 +1,12 @@
 """The cpu provider of quant_linear: Resin's C++ kernels over weights kept quantised (csrc/quant_kernels.cpp).
 
-Few activation rows (decode): each weight row is unpacked once into fp32 and dotted with every activation row in
-fp32, so the result differs from native only in summation order; a step reads the packed bytes, not bf16 weights.
-Many rows (prefill): the weights are unpacked into the activation dtype and multiplied by torch's GEMM, whose
-cost per weight is then shared by enough rows that unpacking is noise. In bf16 that rounds each weight to bf16
-once (as a bf16 checkpoint is), which the bf16 tolerance covers; in fp32 it is exact.
+Few activation rows (decode): the products are native's exactly (bf16 activations times each block's quants, or
+fp32 activations times the unpacked fp32 weights), summed in fp32 in another order; a step reads the packed
+bytes, not bf16 weights. Batches of bf16 rows (decode at 16+ sequences): weight rows are unpacked into bf16 and
+multiplied with the rows in fp32 sums. Many rows (prefill): tiles of weights are unpacked into the activation
+dtype and multiplied by torch's GEMM, whose cost per weight is then shared by enough rows that unpacking is noise.
+Unpacking into bf16 rounds each weight to bf16 once (as a bf16 checkpoint is), which the bf16 tolerance covers;
+in fp32 the paths are exact up to summation order.
 """
 from __future__ import annotations
 
@@ -14,12 +16,18 @@ import torch.nn.functional as F
 from resin.backends.cpu import kernels
 from resin.hal.quant import QTYPES
 
-# Rows from which unpacking the weight and calling the GEMM beats the row-by-row kernel (measured on a 2-core
-# AVX512-BF16 machine: Q4_1 1536x576 breaks even at 16 rows, 1.5x faster at 32; bf16 activations).
+# Thresholds measured on a 2-core AVX512-BF16 machine with `python bench/quant_linear.py`, bf16 activations.
+# Types with a fused bf16 kernel that multiplies each block's quants exactly: fastest below GEMM_MIN_ROWS (Q4_1
+# 1536x576: 0.040 ms at 1 row against 0.073 unpacking bf16 rows); other types unpack bf16 rows at any batch
+# (Q4_K 1536x512: 0.083 against 0.119 for the fp32 row kernel).
+FUSED_BF16 = ("q4_0", "q4_1", "q8_0")
 GEMM_MIN_ROWS = 16
 # Weights unpacked per GEMM call: a tile near L2's size (2 MiB a core here) while the GEMM reads it (unpacking a
 # whole 49152-row lm_head at once went through memory: 3.6x slower at 32 rows).
 TILE_BYTES = 1 << 21
+# bf16 batches from GEMM_MIN_ROWS up to this many rows run on the batched-rows kernel (unpacked bf16 rows, no
+# reordered weight copy); from here torch's GEMM, whose per-call weight reorder is then shared by enough rows.
+ONEDNN_MIN_ROWS = 64
 
 
 def supports_args(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None = None,
@@ -37,16 +45,25 @@ def supports_args(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: to
 def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] < GEMM_MIN_ROWS:
-        out = kernels.extension().quant_matmul(rows, qweight, qtype, scales, bias)
-    else:
-        n, k = qweight.shape[0], rows.shape[1]
-        step = max(1, TILE_BYTES // (k * x.element_size()))
-        tiles = []
-        for start in range(0, n, step):
-            part = qweight[start:start + step]
-            weight = kernels.extension().quant_dequantize(part, qtype, None if scales is None else
-                                                          scales[start:start + step], x.dtype)
-            tiles.append(F.linear(rows, weight, None if bias is None else bias[start:start + step].to(x.dtype)))
-        out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+    m = rows.shape[0]
+    ext = kernels.extension()
+    out = None
+    if x.dtype == torch.bfloat16 and m < ONEDNN_MIN_ROWS and (m >= GEMM_MIN_ROWS or qtype not in FUSED_BF16):
+        out = ext.quant_matmul_bf16(rows, qweight, qtype, scales, bias)  # None without AVX512-BF16, or K % 32
+    if out is None:
+        out = ext.quant_matmul(rows, qweight, qtype, scales, bias) if m < GEMM_MIN_ROWS else \
+            _tiled_gemm(rows, qweight, qtype, scales, bias)
     return out.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def _tiled_gemm(rows: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = qweight.shape[0], rows.shape[1]
+    step = max(1, TILE_BYTES // (k * rows.element_size()))
+    tiles = []
+    for start in range(0, n, step):
+        part = slice(start, start + step)
+        weight = kernels.extension().quant_dequantize(qweight[part], qtype, None if scales is None else scales[part],
+                                                      rows.dtype)
+        tiles.append(F.linear(rows, weight, None if bias is None else bias[part].to(rows.dtype)))
+    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)

@@ -548,6 +548,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const st
                         const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias);
 at::Tensor quant_dequantize(const at::Tensor& qweight, const std::string& qtype,
                             const c10::optional<at::Tensor>& scales, at::ScalarType dtype);
+at::Tensor quant_matmul_bf16(const at::Tensor& x, const at::Tensor& qweight, const std::string& qtype,
+                             const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows");
@@ -558,4 +560,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "one-query-per-sequence attention over a paged cache");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(qweight).T * scales + bias, weights unpacked row by row");
   m.def("quant_dequantize", &quant_dequantize, "quantised rows -> (N, K) float32 or bfloat16");
+  m.def("quant_matmul_bf16", &quant_matmul_bf16, "bf16 x @ bf16-rounded unpacked weights, for batches of rows");
 }

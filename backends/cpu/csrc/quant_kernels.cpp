@@ -16,7 +16,7 @@
 
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #include <string>
@@ -24,10 +24,16 @@
 
 namespace {
 
+// A block's fp16 scale. One F16C instruction where the CPU has it: c10's portable conversion is a dozen integer
+// operations, which at two scales per 32 weights was most of a Q4_1 block's cost.
 inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
   return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
 }
 
 #if defined(__AVX512F__)
@@ -296,16 +302,27 @@ const float* optional_floats(const c10::optional<at::Tensor>& t, int64_t n, cons
 // multiplies with 32 bf16 activations, exactly, summing in fp32; the block's scale is applied to that partial
 // sum and Q4_1's min to the block's activation sum. So a weight costs a few instructions and no unpacked copy:
 // the same products as native's fp32 matmul over bf16 inputs, summed in another order.
+// Entry i holds bf16((i & 15) + offset): vpermw reads 5 index bits, and a low-nibble lane may carry bit 4.
 inline __m512i bf16_table(int offset) {
   alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) t[i] = c10::BFloat16(static_cast<float>(i + offset)).x;
+  for (int i = 0; i < 32; ++i) t[i] = c10::BFloat16(static_cast<float>((i & 15) + offset)).x;
   return _mm512_load_si512(t);
 }
 
-inline __m512i nibbles_in_order(const uint8_t* q) {  // byte j -> codes j (low) and j + 16 (high), as 32 x 16 bit
-  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(0xF)), hi = _mm256_srli_epi16(v, 4);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+// byte j -> codes j (low nibble) and j + 16 (high), as 32 x 16-bit table indices: the 16 bytes twice, the upper
+// copy shifted right by 4. The lower copy keeps its high nibble (the table ignores bits above 4, see above).
+inline __m512i nibble_indices(const uint8_t* q) {
+  const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                          0x0004000400040004, 0, 0, 0, 0);
+  const __m256i twice = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  return _mm512_srlv_epi16(_mm512_cvtepu8_epi16(twice), shifts);
+}
+
+// A block's leading fp16 pair (d, m) in one conversion.
+inline __m128 f16_pair(const uint8_t* b) {
+  int32_t bits;
+  std::memcpy(&bits, b, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
 }
 
 struct FusedQ4_0 {
@@ -315,7 +332,7 @@ struct FusedQ4_0 {
   __m512i weights(const uint8_t* b, float& d, float& m) const {
     d = f16(b);
     m = 0.f;
-    return _mm512_permutexvar_epi16(nibbles_in_order(b + 2), table);
+    return _mm512_permutexvar_epi16(nibble_indices(b + 2), table);
   }
 };
 
@@ -324,9 +341,10 @@ struct FusedQ4_1 {
   static constexpr bool kMin = true;
   __m512i table = bf16_table(0);
   __m512i weights(const uint8_t* b, float& d, float& m) const {
-    d = f16(b);
-    m = f16(b + 2);
-    return _mm512_permutexvar_epi16(nibbles_in_order(b + 4), table);
+    const __m128 dm = f16_pair(b);
+    d = _mm_cvtss_f32(dm);
+    m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    return _mm512_permutexvar_epi16(nibble_indices(b + 4), table);
   }
 };
 
@@ -347,23 +365,33 @@ template <class D, int MR, typename out_t>
 void fused_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint16_t* x,
                 int64_t k, const float* xsum, int64_t rows, const float* bias, out_t* out, int64_t n) {
   const int64_t nb = k / 32;
+  // Two sums per activation row, for even and odd blocks: with one, every block waited for the previous block's
+  // fma (4 cycles), which was most of a one-row call's time.
+  constexpr int kChains = 2;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
-    __m512 acc[MR];
-    float macc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps(), macc[i] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
+    __m512 acc[MR][kChains];
+    float macc[MR][kChains];
+    for (int i = 0; i < MR; ++i)
+      for (int c = 0; c < kChains; ++c) acc[i][c] = _mm512_setzero_ps(), macc[i][c] = 0.f;
+    auto block = [&](int64_t b, int c) {
       float d, m;
       const __m512bh wq = reinterpret_cast<__m512bh>(dec.weights(row + b * D::kBytes, d, m));
       const __m512 vd = _mm512_set1_ps(d);
       for (int i = 0; i < MR; ++i) {
         const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i * k + b * 32));
-        acc[i] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wq, xv), vd, acc[i]);
-        if constexpr (D::kMin) macc[i] += m * xsum[i * nb + b];
+        acc[i][c] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wq, xv), vd, acc[i][c]);
+        if constexpr (D::kMin) macc[i][c] += m * xsum[i * nb + b];
       }
-    }
+    };
+    int64_t b = 0;
+    for (; b + kChains <= nb; b += kChains)
+      for (int c = 0; c < kChains; ++c) block(b + c, c);
+    for (; b < nb; ++b) block(b, 0);
     const float bb = bias ? bias[r] : 0.f;
-    for (int i = 0; i < MR; ++i) out[i * n + r] = static_cast<out_t>(_mm512_reduce_add_ps(acc[i]) + macc[i] + bb);
+    for (int i = 0; i < MR; ++i)
+      out[i * n + r] = static_cast<out_t>(_mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
+                                          (macc[i][0] + macc[i][1]) + bb);
   }
 }
 
@@ -406,6 +434,75 @@ bool try_fused(const at::Tensor& x, const at::Tensor& qweight, const std::string
 #else
 bool try_fused(const at::Tensor&, const at::Tensor&, const std::string&, const float*, const float*, at::Tensor&) {
   return false;
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// Batches of rows (decode at 16+ sequences): each pair of weight rows is unpacked once into bf16 (rounded, as the
+// GEMM path's unpacked tiles are) and multiplied with 4 activation rows at a time by vdpbf16ps, accumulating in
+// fp32 across the whole row: 8 independent sums, no per-block scaling, and no copy of the weight in another
+// layout (torch's GEMM reorders its weight operand on every call, which at these batch sizes cost more than the
+// products).
+constexpr int kRowsBlock = 8;  // activation rows per pass: 16 sums in registers, 10 loads per 16 vdpbf16ps
+
+template <int MR>
+void bf16_rows_block(const uint16_t* wb, int64_t k, const uint16_t* x, float* res) {
+  __m512 acc[2][MR];
+  for (int j = 0; j < 2; ++j)
+    for (int t = 0; t < MR; ++t) acc[j][t] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k; kk += 32) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wb + kk));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wb + k + kk));
+    for (int t = 0; t < MR; ++t) {
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + t * k + kk));
+      acc[0][t] = _mm512_dpbf16_ps(acc[0][t], w0, xv);
+      acc[1][t] = _mm512_dpbf16_ps(acc[1][t], w1, xv);
+    }
+  }
+  for (int j = 0; j < 2; ++j)
+    for (int t = 0; t < MR; ++t) res[j * kRowsBlock + t] = _mm512_reduce_add_ps(acc[j][t]);
+}
+
+template <class F>
+void bf16_rows_kernel(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n,
+                      const float* scales, const float* bias, c10::BFloat16* out) {
+  const int64_t pairs = (n + 1) / 2;
+  at::parallel_for(0, pairs, std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(2 * row_bytes, 1)),
+                   [&](int64_t p0, int64_t p1) {
+    std::vector<float> f(k);
+    std::vector<uint16_t> wb(2 * k);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t rows[2] = {2 * p, std::min(2 * p + 1, n - 1)};  // an odd last row is computed twice, stored once
+      for (int j = 0; j < 2; ++j) {
+        dequant_row<F>(w + rows[j] * row_bytes, k, f.data());
+        const __m512 s = _mm512_set1_ps(scales ? scales[rows[j]] : 1.f);
+        for (int64_t kk = 0; kk < k; kk += 32) {
+          const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(f.data() + kk), s);
+          const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(f.data() + kk + 16), s);
+          _mm512_storeu_si512(wb.data() + j * k + kk, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+        }
+      }
+      float res[2 * kRowsBlock];
+      for (int64_t i = 0; i < m;) {
+        const int mr = static_cast<int>(std::min<int64_t>(kRowsBlock, m - i));
+        switch (mr) {
+          case 8: bf16_rows_block<8>(wb.data(), k, x + i * k, res); break;
+          case 7: bf16_rows_block<7>(wb.data(), k, x + i * k, res); break;
+          case 6: bf16_rows_block<6>(wb.data(), k, x + i * k, res); break;
+          case 5: bf16_rows_block<5>(wb.data(), k, x + i * k, res); break;
+          case 4: bf16_rows_block<4>(wb.data(), k, x + i * k, res); break;
+          case 3: bf16_rows_block<3>(wb.data(), k, x + i * k, res); break;
+          case 2: bf16_rows_block<2>(wb.data(), k, x + i * k, res); break;
+          default: bf16_rows_block<1>(wb.data(), k, x + i * k, res);
+        }
+        for (int t = 0; t < mr; ++t)
+          for (int j = 0; j < (rows[1] == rows[0] ? 1 : 2); ++j)
+            out[(i + t) * n + rows[j]] =
+                static_cast<c10::BFloat16>(res[j * kRowsBlock + t] + (bias ? bias[rows[j]] : 0.f));
+        i += mr;
+      }
+    }
+  });
 }
 #endif
 
@@ -453,4 +550,30 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const std::string& qtype,
       TORCH_CHECK(false, "quant_dequantize: dtype must be float32 or bfloat16");
   });
   return out;
+}
+
+// out (M, N) bf16 = x (M, K) bf16 @ bf16(dequantize(qweight) * scales).T + bias, for batches of rows; returns an
+// undefined tensor where the CPU lacks AVX512-BF16 or K is not a multiple of 32 (the caller then uses the GEMM).
+at::Tensor quant_matmul_bf16(const at::Tensor& x, const at::Tensor& qweight, const std::string& qtype,
+                             const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "x (M, K) bfloat16, qweight (N, row bytes)");
+  const int64_t m = x.size(0), n = qweight.size(0), k = in_features(qweight, qtype);
+  TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
+#if defined(__AVX512BF16__)
+  if (k % 32 == 0) {
+    const at::Tensor xc = x.contiguous();
+    at::Tensor out = at::empty({m, n}, x.options());
+    const float* s = optional_floats(scales, n, "scales");
+    const float* b = optional_floats(bias, n, "bias");
+    dispatch_format(qtype, [&](auto f) {
+      using F = decltype(f);
+      bf16_rows_kernel<F>(reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), m, k,
+                          static_cast<const uint8_t*>(qweight.const_data_ptr()), qweight.size(1), n, s, b,
+                          out.data_ptr<c10::BFloat16>());
+    });
+    return out;
+  }
+#endif
+  return at::Tensor();
 }
