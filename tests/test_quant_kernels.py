@@ -1,7 +1,7 @@
 """quant_linear: the native dequantisers against the gguf package's, and the cpu provider against native, on fresh
 random blocks of every packed type each run (odd row counts, batches on both sides of the GEMM switch, biases).
 
-Every path is covered: few rows (exact products), bf16 batches (weights unpacked to bf16 rows), large batches
+Every path is covered: few rows (exact products; fused for Q4_0/Q4_1/Q8_0/Q4_K in bf16), bf16 batches (weights unpacked to bf16 rows), large batches
 (tiles unpacked into torch's GEMM). Bounds. fp32: the provider sums in another order than native, so it may differ by fp32 reassociation over K
 terms: K * eps32 * sum_k |x_k w_k| (a wrong nibble or a misread scale moves an output by a whole block's share of
 that sum, ~32/K of it, far above). bf16: native rounds once to bf16; the provider rounds once too (the GEMM path
@@ -61,7 +61,8 @@ def _check(x, qweight, qtype, scales=None, bias=None):
 
 @pytest.mark.parametrize("qtype", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, quant.GEMM_MIN_ROWS - 1, quant.GEMM_MIN_ROWS, 41, quant.ONEDNN_MIN_ROWS])
+@pytest.mark.parametrize("rows", [1, quant.FUSED_MAX_ROWS - 1, quant.FUSED_MAX_ROWS, quant.GEMM_MIN_ROWS - 1,
+                                  quant.GEMM_MIN_ROWS, 41, quant.ONEDNN_MIN_ROWS])
 def test_packed_provider_matches_native(qtype, dtype, rows):
     g = _seeded()
     block = FORMATS[qtype].block

@@ -17,15 +17,17 @@ from resin.backends.cpu import kernels
 from resin.hal.quant import QTYPES
 
 # Thresholds measured on a 2-core AVX512-BF16 machine with `python bench/quant_linear.py`, bf16 activations.
-# Types with a fused bf16 kernel that multiplies each block's quants exactly: fastest below GEMM_MIN_ROWS (Q4_1
-# 1536x576: 0.040 ms at 1 row against 0.073 unpacking bf16 rows); other types unpack bf16 rows at any batch
-# (Q4_K 1536x512: 0.083 against 0.119 for the fp32 row kernel).
-FUSED_BF16 = ("q4_0", "q4_1", "q8_0")
+# Types with a fused bf16 kernel multiply each block's quants exactly: fastest below FUSED_MAX_ROWS (Q4_1
+# 1536x576 at 1 row: 0.029 ms against 0.068 unpacking bf16 rows; Q4_K 1536x512: 0.029 against 0.056; at 8 rows
+# the two are even for Q4_1 and unpacking wins for Q4_K, 0.093 against 0.144); other types unpack bf16 rows.
+FUSED_BF16 = ("q4_0", "q4_1", "q8_0", "q4_k")
+FUSED_MAX_ROWS = 8
+# fp32: the exact row kernel below this many rows, the tiled GEMM from here.
 GEMM_MIN_ROWS = 16
 # Weights unpacked per GEMM call: a tile near L2's size (2 MiB a core here) while the GEMM reads it (unpacking a
 # whole 49152-row lm_head at once went through memory: 3.6x slower at 32 rows).
 TILE_BYTES = 1 << 21
-# bf16 batches from GEMM_MIN_ROWS up to this many rows run on the batched-rows kernel (unpacked bf16 rows, no
+# bf16 batches up to this many rows run on the batched-rows kernel (unpacked bf16 rows, no
 # reordered weight copy); from here torch's GEMM, whose per-call weight reorder is then shared by enough rows.
 ONEDNN_MIN_ROWS = 64
 
@@ -48,8 +50,11 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: tor
     m = rows.shape[0]
     ext = kernels.extension()
     out = None
-    if x.dtype == torch.bfloat16 and m < ONEDNN_MIN_ROWS and (m >= GEMM_MIN_ROWS or qtype not in FUSED_BF16):
-        out = ext.quant_matmul_bf16(rows, qweight, qtype, scales, bias)  # None without AVX512-BF16, or K % 32
+    if x.dtype == torch.bfloat16:
+        if m < FUSED_MAX_ROWS and qtype in FUSED_BF16:
+            out = ext.quant_matmul(rows, qweight, qtype, scales, bias)
+        elif m < ONEDNN_MIN_ROWS:
+            out = ext.quant_matmul_bf16(rows, qweight, qtype, scales, bias)  # None without AVX512-BF16, or K % 32
     if out is None:
         out = ext.quant_matmul(rows, qweight, qtype, scales, bias) if m < GEMM_MIN_ROWS else \
             _tiled_gemm(rows, qweight, qtype, scales, bias)

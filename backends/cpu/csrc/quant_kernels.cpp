@@ -297,11 +297,13 @@ const float* optional_floats(const c10::optional<at::Tensor>& t, int64_t n, cons
 
 
 #if defined(__AVX512BF16__)
-// The bf16 fast path for the 32-weight types (the built-in model's Q4_1 and Q8_0, and Q4_0): a block's quants
-// become 32 exact bf16 values (a 4-bit code through a 32-entry table, an int8 through fp32) that vdpbf16ps
-// multiplies with 32 bf16 activations, exactly, summing in fp32; the block's scale is applied to that partial
-// sum and Q4_1's min to the block's activation sum. So a weight costs a few instructions and no unpacked copy:
-// the same products as native's fp32 matmul over bf16 inputs, summed in another order.
+// The bf16 fast path for few rows, for Q4_0, Q4_1, Q8_0 (the built-in model's types) and Q4_K (most of a
+// Q4_K_M file): each group of 32 quants becomes 32 exact bf16 values (a 4-bit code through a 32-entry table, an
+// int8 through fp32) that vdpbf16ps multiplies with 32 bf16 activations, exactly, summing in fp32; the group's
+// scale is applied to that partial sum and its min to the group's activation sum. So a weight costs a few
+// instructions and no unpacked copy: the same products as native's fp32 matmul over bf16 inputs, summed in
+// another order.
+
 // Entry i holds bf16((i & 15) + offset): vpermw reads 5 index bits, and a low-nibble lane may carry bit 4.
 inline __m512i bf16_table(int offset) {
   alignas(64) uint16_t t[32];
@@ -325,69 +327,90 @@ inline __m128 f16_pair(const uint8_t* b) {
   return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
 }
 
+// A decoder turns one stored block into kUnits groups of 32 quants as bf16 (exact), each with its scale and the
+// term that multiplies the group's activation sum (Q4_1's min; minus a Q4_K sub-block's min): w = scale * q + min.
 struct FusedQ4_0 {
-  static constexpr int kBytes = 18;
+  static constexpr int kBytes = 18, kUnits = 1;
   static constexpr bool kMin = false;
   __m512i table = bf16_table(-8);
-  __m512i weights(const uint8_t* b, float& d, float& m) const {
-    d = f16(b);
-    m = 0.f;
-    return _mm512_permutexvar_epi16(nibble_indices(b + 2), table);
+  void block(const uint8_t* b, __m512i* wq, float* scale, float*) const {
+    scale[0] = f16(b);
+    wq[0] = _mm512_permutexvar_epi16(nibble_indices(b + 2), table);
   }
 };
 
 struct FusedQ4_1 {
-  static constexpr int kBytes = 20;
+  static constexpr int kBytes = 20, kUnits = 1;
   static constexpr bool kMin = true;
   __m512i table = bf16_table(0);
-  __m512i weights(const uint8_t* b, float& d, float& m) const {
+  void block(const uint8_t* b, __m512i* wq, float* scale, float* mins) const {
     const __m128 dm = f16_pair(b);
-    d = _mm_cvtss_f32(dm);
-    m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-    return _mm512_permutexvar_epi16(nibble_indices(b + 4), table);
+    scale[0] = _mm_cvtss_f32(dm);
+    mins[0] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    wq[0] = _mm512_permutexvar_epi16(nibble_indices(b + 4), table);
   }
 };
 
 struct FusedQ8_0 {
-  static constexpr int kBytes = 34;
+  static constexpr int kBytes = 34, kUnits = 1;
   static constexpr bool kMin = false;
-  __m512i weights(const uint8_t* b, float& d, float& m) const {
-    d = f16(b);
-    m = 0.f;
+  void block(const uint8_t* b, __m512i* wq, float* scale, float*) const {
+    scale[0] = f16(b);
     const __m128i* q = reinterpret_cast<const __m128i*>(b + 2);
     const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q)));
     const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1)));
-    return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // int8 values are exact in bf16
+    wq[0] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));  // int8 values are exact in bf16
+  }
+};
+
+// Q4_K: 8 sub-blocks of 32 with 6-bit scales and mins; a 32-byte chunk holds sub-blocks 2c (low nibbles, byte l
+// is weight l) and 2c + 1 (high nibbles), so one widening load serves two sub-blocks.
+struct FusedQ4_K {
+  static constexpr int kBytes = 144, kUnits = 8;
+  static constexpr bool kMin = true;
+  __m512i table = bf16_table(0);
+  void block(const uint8_t* b, __m512i* wq, float* scale, float* mins) const {
+    k_scales(b + 4, f16(b), f16(b + 2), scale, mins);
+    for (int j = 0; j < 8; ++j) mins[j] = -mins[j];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c)));
+      wq[2 * c] = _mm512_permutexvar_epi16(v, table);
+      wq[2 * c + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+    }
   }
 };
 
 template <class D, int MR, typename out_t>
 void fused_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint16_t* x,
                 int64_t k, const float* xsum, int64_t rows, const float* bias, out_t* out, int64_t n) {
-  const int64_t nb = k / 32;
-  // Two sums per activation row, for even and odd blocks: with one, every block waited for the previous block's
+  const int64_t nb = k / 32, blocks = nb / D::kUnits;
+  // Two sums per activation row, for even and odd groups: with one, every group waited for the previous group's
   // fma (4 cycles), which was most of a one-row call's time.
-  constexpr int kChains = 2;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
-    __m512 acc[MR][kChains];
-    float macc[MR][kChains];
-    for (int i = 0; i < MR; ++i)
-      for (int c = 0; c < kChains; ++c) acc[i][c] = _mm512_setzero_ps(), macc[i][c] = 0.f;
-    auto block = [&](int64_t b, int c) {
-      float d, m;
-      const __m512bh wq = reinterpret_cast<__m512bh>(dec.weights(row + b * D::kBytes, d, m));
-      const __m512 vd = _mm512_set1_ps(d);
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i * k + b * 32));
-        acc[i][c] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), wq, xv), vd, acc[i][c]);
-        if constexpr (D::kMin) macc[i][c] += m * xsum[i * nb + b];
+    __m512 acc[MR][2];
+    float macc[MR][2];
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps(), macc[i][0] = macc[i][1] = 0.f;
+    auto run = [&](int64_t blk, int parity) {
+      __m512i wq[D::kUnits];
+      float scale[D::kUnits], mins[D::kUnits];
+      dec.block(row + blk * D::kBytes, wq, scale, mins);
+#pragma GCC unroll 8
+      for (int u = 0; u < D::kUnits; ++u) {
+        const int c = (parity + u) & 1;
+        const int64_t unit = blk * D::kUnits + u;
+        const __m512 vd = _mm512_set1_ps(scale[u]);
+        for (int i = 0; i < MR; ++i) {
+          const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i * k + unit * 32));
+          acc[i][c] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), reinterpret_cast<__m512bh>(wq[u]), xv),
+                                      vd, acc[i][c]);
+          if constexpr (D::kMin) macc[i][c] += mins[u] * xsum[i * nb + unit];
+        }
       }
     };
-    int64_t b = 0;
-    for (; b + kChains <= nb; b += kChains)
-      for (int c = 0; c < kChains; ++c) block(b + c, c);
-    for (; b < nb; ++b) block(b, 0);
+    int64_t blk = 0;
+    for (; blk + 2 <= blocks; blk += 2) run(blk, 0), run(blk + 1, 1);
+    if (blk < blocks) run(blk, 0);
     const float bb = bias ? bias[r] : 0.f;
     for (int i = 0; i < MR; ++i)
       out[i * n + r] = static_cast<out_t>(_mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
@@ -400,7 +423,7 @@ void fused_matmul(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
                   at::Tensor& out) {
   const int64_t m = x.size(0), k = x.size(1), nb = k / 32;
   const auto* xb = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
-  std::vector<float> xsum(D::kMin ? m * nb : 0);  // Q4_1's min multiplies each block's activation sum
+  std::vector<float> xsum(D::kMin ? m * nb : 0);  // a min multiplies its group's activation sum
   if constexpr (D::kMin)
     for (int64_t i = 0; i < m * nb; ++i) {
       float s = 0.f;
@@ -428,6 +451,7 @@ bool try_fused(const at::Tensor& x, const at::Tensor& qweight, const std::string
   if (qtype == "q4_0") fused_matmul<FusedQ4_0>(x, w, qweight.size(1), qweight.size(0), bias, out);
   else if (qtype == "q4_1") fused_matmul<FusedQ4_1>(x, w, qweight.size(1), qweight.size(0), bias, out);
   else if (qtype == "q8_0") fused_matmul<FusedQ8_0>(x, w, qweight.size(1), qweight.size(0), bias, out);
+  else if (qtype == "q4_k") fused_matmul<FusedQ4_K>(x, w, qweight.size(1), qweight.size(0), bias, out);
   else return false;
   return true;
 }
