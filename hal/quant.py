@@ -32,9 +32,6 @@ class QuantFormat:
                              f"not a multiple")
         return in_features // self.block * self.block_bytes
 
-    def in_features(self, row_bytes: int) -> int:
-        return row_bytes // self.block_bytes * self.block
-
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """Two bytes (little-endian fp16) -> float32 of shape (..., 1)."""
@@ -121,10 +118,6 @@ def dequantize(qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None = 
     fmt = quant_format(qtype)
     rows = qweight.shape[0]
     return fmt.dequantize(qweight.reshape(rows, -1, fmt.block_bytes)).reshape(rows, -1)
-
-
-def in_features_of(qweight: torch.Tensor, qtype: str) -> int:
-    return qweight.shape[1] if qtype == INT8 else quant_format(qtype).in_features(qweight.shape[1])
 
 
 def _quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None = None,

@@ -382,7 +382,7 @@ struct FusedQ4_K {
 
 template <class D, int MR, typename out_t>
 void fused_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const uint16_t* x,
-                int64_t k, const float* xsum, int64_t rows, const float* bias, out_t* out, int64_t n) {
+                int64_t k, const float* xsum, const float* bias, out_t* out, int64_t n) {
   const int64_t nb = k / 32, blocks = nb / D::kUnits;
   // Two sums per activation row, for even and odd groups: with one, every group waited for the previous group's
   // fma (4 cycles), which was most of a one-row call's time.
@@ -436,11 +436,11 @@ void fused_matmul(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
   at::parallel_for(0, n, grain, [&](int64_t r0, int64_t r1) {
     int64_t i = 0;
     for (; i + 8 <= m; i += 8)  // rows in groups share each unpacked block
-      fused_rows<D, 8>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, m, bias, o + i * n, n);
+      fused_rows<D, 8>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, bias, o + i * n, n);
     for (; i + 4 <= m; i += 4)
-      fused_rows<D, 4>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, m, bias, o + i * n, n);
+      fused_rows<D, 4>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, bias, o + i * n, n);
     for (; i < m; ++i)
-      fused_rows<D, 1>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, m, bias, o + i * n, n);
+      fused_rows<D, 1>(dec, w, row_bytes, r0, r1, xb + i * k, k, xsum.data() + i * nb, bias, o + i * n, n);
   });
 }
 
