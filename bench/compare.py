@@ -80,6 +80,8 @@ def main() -> None:
     if args.engines:
         keep = set(args.engines.split(","))
         engines = [e for e in engines if f"{e[0]}/{e[1]}" in keep]
+        if not engines:
+            raise SystemExit(f"--engines {args.engines}: none of these is configured (a peer needs its --*-python)")
     from tqdm import tqdm
 
     n = args.num_prompts

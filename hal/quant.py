@@ -80,7 +80,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     scale, mins = _k_scales(b[..., 4:16])
     qh = b[..., 16:48].int()  # bit j of byte l is the fifth bit of weight l in sub-block j
-    high = (qh[..., None, :] >> torch.arange(8, dtype=torch.int32)[:, None]) & 1
+    high = (qh[..., None, :] >> torch.arange(8, dtype=torch.int32, device=qh.device)[:, None]) & 1
     q = (_k4_quants(b[..., 48:176]) | (high << 4)).float()
     w = (_f16(b[..., 0:2]) * scale)[..., None] * q - (_f16(b[..., 2:4]) * mins)[..., None]
     return w.flatten(-2)

@@ -74,9 +74,12 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qtype is not None:
             return hal.QUANT_LINEAR(x, self.weight, self.qtype, None, self.bias)
-        outs = [hal.QUANT_LINEAR(x, self._segment(self.weight, i), seg.qtype) for i, seg in enumerate(self.segments)]
-        out = torch.cat(outs, dim=-1)
-        return out if self.bias is None else (out.float() + self.bias).to(x.dtype)
+        outs, first = [], 0
+        for i, seg in enumerate(self.segments):  # each with its rows of the bias, so each output rounds once
+            bias = None if self.bias is None else self.bias.narrow(0, first, seg.rows)
+            outs.append(hal.QUANT_LINEAR(x, self._segment(self.weight, i), seg.qtype, None, bias))
+            first += seg.rows
+        return torch.cat(outs, dim=-1)
 
 
 class Int8Linear(nn.Module):
@@ -135,18 +138,21 @@ def pack_gguf_layers(model: nn.Module, packable: dict[str, str]) -> set[str]:
     packed: set[str] = set()
     for name, module in list(model.named_modules()):
         if isinstance(module, Embedding):
-            qtype = packable.get(f"{name}.weight")
-            if qtype is not None:
-                _swap(model, name, QuantEmbedding(module, qtype))
-                packed.add(f"{name}.weight")
+            source = next((f"{a}.weight" for a in checkpoint_names(model, name)[0] if f"{a}.weight" in packable), None)
+            if source is not None:
+                _swap(model, name, QuantEmbedding(module, packable[source]))
+                packed.add(source)
             continue
         if not isinstance(module, (Linear, MergedLinear)):
             continue
-        shards = list(getattr(module, "offsets", None) or [None])
+        # checkpoint_names lists a fused layer's sources in packed_modules order: name each source's shard from there
+        leaf = name.rpartition(".")[2]
+        shards = [shard for fused, shard in getattr(model, "packed_modules", {}).values() if fused == leaf] or [None]
         sources: list[str | None] = []
         for aliases in checkpoint_names(model, name):
             sources.append(next((f"{a}.weight" for a in aliases if f"{a}.weight" in packable), None))
-        if None in sources or len(sources) != len(shards):
+        if None in sources or len(sources) != len(shards) or set(shards) != set(getattr(module, "offsets", None)
+                                                                                 or [None]):
             continue  # some shard is stored unpacked (or in a type without a kernel): the layer stays dense
         _swap(model, name, QuantLinear(module, {s: packable[src] for s, src in zip(shards, sources)}))
         packed.update(sources)

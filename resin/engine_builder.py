@@ -101,15 +101,30 @@ class CheckedModel:
     check: SelfCheckReport | None
 
 
+def packing_for(quantization: str, selection: Selection) -> str:
+    """Packed weights only where a kernel runs them: the native quant_linear unpacks every weight on every call
+    (for a large lm_head, gigabytes a step), so without a provider GGUF weights are dequantised on load."""
+    if quantization == "none" or selection.table["quant_linear"].chosen != "native":
+        return quantization
+    if quantization == "int8":
+        reasons = "; ".join(why for _, why in selection.table["quant_linear"].skipped) or "none registered"
+        raise ValueError(f"--quantization int8 needs a quant_linear kernel and backend {selection.backend.name} has "
+                         f"none ({reasons}): drop --quantization int8")
+    log.info("GGUF weights are dequantised on load: backend %s has no quant_linear kernel (the native op would "
+             "unpack every weight on every call)", selection.backend.name)
+    return "none"
+
+
 def load_checked(args: EngineArgs) -> CheckedModel:
     """Select the backend, load the model, and check every provider it will call against native."""
     selection = select_backend(args.backend, args.ops)
     dtype = resolve_dtype(args.dtype, selection)
+    quantization = packing_for(args.quantization, selection)
     if args.model is not None:
         path = weights = Path(args.model).expanduser()
     else:
-        path, weights = builtin_model(args.quantization)
-    loaded = load_model(weights, dtype, selection.platform.device, selection.platform.fp8_dtype, args.quantization)
+        path, weights = builtin_model(quantization)
+    loaded = load_model(weights, dtype, selection.platform.device, selection.platform.fp8_dtype, quantization)
     check = run_self_check(loaded.model, dtype, selection.platform.device, args.block_size, args.self_check)
     for failed in check.failed if check else []:
         selection.drop(failed.op, failed.provider, f"failed the self-check on {failed.call} "

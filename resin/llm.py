@@ -20,7 +20,8 @@ class LLM:
                  kv_cache_memory: int | str | None = None, max_model_len: int | None = None,
                  max_num_seqs: int = 256, enable_prefix_caching: bool = True, seed: int = 0,
                  logits_observer: LogitsObserver | None = None, **kwargs: Any):
-        """kwargs: further EngineArgs (max_num_batched_tokens, block_size, ops, enable_graphs, self_check).
+        """kwargs: further EngineArgs (max_num_batched_tokens, block_size, ops, enable_graphs, self_check,
+        quantization: auto | none | int8).
         logits_observer sees the logits of every sampled row (the parity gate uses it)."""
         args = EngineArgs(model=model, backend=backend, dtype=dtype, kv_cache_memory=kv_cache_memory,
                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,

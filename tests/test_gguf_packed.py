@@ -12,8 +12,10 @@ from resin.hal.quant import dequantize
 from resin.models.quantized import QuantEmbedding, QuantLinear, describe_weights
 from resin.tiny import random_hf_model, random_packed, tiny_hf_config
 from test_gguf import GGUF_ARCH, gguf_name, gguf_writer, permute
+from conftest import require_cpu_kernels, save_tiny
 
 pytestmark = pytest.mark.parity
+require_cpu_kernels()
 
 # Per type, the fp16 scale range that gives weights of a few hundredths (K-quants multiply by 6-8 bit sub-scales).
 SCALE = {"q8_0": 4e-4, "q4_0": 6e-3, "q4_1": 4e-3, "q4_k": 6e-5, "q5_k": 3e-5, "q6_k": 1.2e-5}
@@ -67,7 +69,8 @@ def _tiny(arch: str, tie: bool):
                                           tie_word_embeddings=tie), seed=5)
 
 
-@pytest.mark.parametrize("arch,tie", [("LlamaForCausalLM", False), ("Qwen3ForCausalLM", True)])
+@pytest.mark.parametrize("arch,tie", [("LlamaForCausalLM", False), ("Qwen2ForCausalLM", False),  # q/k/v biases
+                                      ("Qwen3ForCausalLM", True)])
 def test_packed_gguf_matches_hf(arch, tie, tmp_path):
     hf = _tiny(arch, tie)
     path = tmp_path / "model.gguf"
@@ -75,6 +78,7 @@ def test_packed_gguf_matches_hf(arch, tie, tmp_path):
     rec = LogitsRecorder()
     llm = LLM(str(path), dtype="float32", kv_cache_memory="4MiB", logits_observer=rec)
     model = llm.engine.runner.model
+    assert llm.selection.table["quant_linear"].chosen == "cpp"  # not the native fallback after a failed self-check
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * 2 + (0 if tie else 1), describe_weights(model)
     assert isinstance(model.model.embed_tokens, QuantEmbedding)
@@ -105,3 +109,17 @@ def test_int8_refused_for_gguf_with_the_reason(tmp_path):
     write_packed_gguf(path, hf, "LlamaForCausalLM")
     with pytest.raises(ValueError, match="already quantised"):
         LLM(str(path), dtype="float32", kv_cache_memory="4MiB", quantization="int8")
+
+
+def test_without_a_kernel_gguf_is_dequantised_on_load(tmp_path):
+    """The native quant_linear would unpack every weight on every call: with no provider (here forced with
+    --ops), auto loads the dense path, and int8 is refused with the reason."""
+    hf = _tiny("LlamaForCausalLM", False)
+    path = tmp_path / "model.gguf"
+    write_packed_gguf(path, hf, "LlamaForCausalLM")
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="4MiB", ops="quant_linear=native")
+    assert not any(isinstance(m, (QuantLinear, QuantEmbedding)) for m in llm.engine.runner.model.modules())
+    tiny = tmp_path / "dense"
+    save_tiny(tiny, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match="needs a quant_linear kernel"):
+        LLM(str(tiny), dtype="float32", kv_cache_memory="4MiB", ops="quant_linear=native", quantization="int8")

@@ -41,10 +41,16 @@ def test_native_dequantisers_equal_the_gguf_package(qtype):
     assert np.array_equal(dequantize(w, qtype).numpy(), ref)
 
 
-def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, exact_products: bool) -> torch.Tensor:
+    """exact_products: the path multiplies x by the exact weights (fp32, or bf16 through a fused kernel), so it may
+    differ from native by fp32 reassociation, plus one bf16 step of the output where x is bf16; otherwise it
+    rounded the weights to bf16 first."""
     magnitude = x.double().abs() @ w.double().abs().T
-    if dtype == torch.float32:
-        return x.shape[-1] * torch.finfo(torch.float32).eps * magnitude + 1e-30
+    reassociation = x.shape[-1] * torch.finfo(torch.float32).eps * magnitude + 1e-30
+    if x.dtype == torch.float32:
+        return reassociation
+    if exact_products:
+        return 2.0 ** -8 * ref.double().abs() + reassociation
     return 2.0 ** -8 * (ref.double().abs() + magnitude)
 
 
@@ -54,7 +60,9 @@ def _check(x, qweight, qtype, scales=None, bias=None):
     assert got.dtype == x.dtype and got.shape == ref.shape
     w = dequantize(qweight, qtype, scales)
     err = (got.double() - ref.double()).abs()
-    bound = _bound(x, w, ref, x.dtype) + (0 if bias is None else 2.0 ** -8 * bias.double().abs())
+    rows = x.reshape(-1, x.shape[-1]).shape[0]
+    fused = x.dtype == torch.bfloat16 and rows < quant.FUSED_MAX_ROWS and qtype in quant.FUSED_BF16
+    bound = _bound(x, w, ref, fused) + (0 if bias is None else 2.0 ** -8 * bias.double().abs())
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"{qtype} {tuple(x.shape)} {x.dtype}: error {worst:.2f}x the bound"
 
@@ -83,6 +91,13 @@ def test_int8_provider_matches_native(dtype, rows):
         scales = torch.rand(37, generator=g) * 0.01
         x = torch.randn(rows, in_features, generator=g).to(dtype)
         _check(x, qweight, INT8, scales, torch.randn(37, generator=g))
+
+
+@pytest.mark.parametrize("qtype", list(FORMATS))
+def test_native_decoders_follow_the_weight_device(qtype):
+    """The native op serves backends without a kernel: nothing in a decoder may be made on the CPU regardless."""
+    w = random_packed(qtype, 3, 512).to("meta")
+    assert dequantize(w, qtype).device.type == "meta"
 
 
 def test_cpu_backend_chooses_the_packed_kernels():
