@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from timers import median_seconds
 
 
 def bench(fn, device: torch.device, reps: int) -> float:
@@ -27,13 +28,7 @@ def bench(fn, device: torch.device, reps: int) -> float:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=25, rep=max(reps, 50), return_mode="median") / 1e3
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, reps)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:

@@ -11,25 +11,18 @@ path that quant_linear picks. Random packed blocks; the numbers do not depend on
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from resin.backends.cpu import kernels, quant
 from resin.tiny import random_packed
+from timers import median_seconds
 
 SHAPES = {"q4_1": [(1536, 576), (576, 1536), (960, 576)], "q8_0": [(49152, 576)]}
 
 
 def timed(fn, reps: int) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+    return median_seconds(fn, reps) * 1e3
 
 
 def main() -> None:
