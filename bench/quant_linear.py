@@ -4,8 +4,8 @@
     python bench/quant_linear.py --types q4_k,q6_k --rows 1,16,64
 
 For each (type, weight shape, rows): the row kernel (`quant_matmul`: exact products, fused for Q4_0/Q4_1/Q8_0 in
-bf16), the batched-rows kernel (`quant_matmul_bf16`: weight rows unpacked to bf16), and the tiled GEMM (tiles
-unpacked into torch's GEMM), in ms per call (median of --reps), plus the packed bytes read per second by the
+bf16, and Q4_K), the panel GEMM (`quant_matmul_bf16`: panels of 32 weight rows unpacked to bf16, register-blocked
+vdpbf16ps), and the tiled GEMM (tiles unpacked into torch's GEMM: fp32, and CPUs without AVX512-BF16), in ms per call (median of --reps), plus the packed bytes read per second by the
 path that quant_linear picks. Random packed blocks; the numbers do not depend on the values.
 """
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
         raise SystemExit(f"Resin's CPU kernels are not built here: {kernels.load()[1]}")
     dtype = getattr(torch, args.dtype)
     types = args.types.split(",") if args.types else list(SHAPES)
-    print(f"{'type':<6}{'N x K':>12}{'rows':>6}{'row kernel':>12}{'bf16 rows':>11}{'tiled GEMM':>12}{'picked GB/s':>13}")
+    print(f"{'type':<6}{'N x K':>12}{'rows':>6}{'row kernel':>12}{'panel GEMM':>11}{'tiled GEMM':>12}{'picked GB/s':>13}")
     for qtype in types:
         for n, k in SHAPES.get(qtype, [(1536, 512)]):
             w = random_packed(qtype, n, k)

@@ -54,9 +54,9 @@ def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, exact_products: 
     return 2.0 ** -8 * (ref.double().abs() + magnitude)
 
 
-def _check(x, qweight, qtype, scales=None, bias=None):
+def _check(x, qweight, qtype, scales=None, bias=None, path=quant.quant_linear):
     ref = hal.QUANT_LINEAR.native(x, qweight, qtype, scales, bias)
-    got = quant.quant_linear(x, qweight, qtype, scales, bias)
+    got = path(x, qweight, qtype, scales, bias)
     assert got.dtype == x.dtype and got.shape == ref.shape
     w = dequantize(qweight, qtype, scales)
     err = (got.double() - ref.double()).abs()
@@ -70,7 +70,7 @@ def _check(x, qweight, qtype, scales=None, bias=None):
 @pytest.mark.parametrize("qtype", list(FORMATS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, quant.FUSED_MAX_ROWS - 1, quant.FUSED_MAX_ROWS, quant.GEMM_MIN_ROWS - 1,
-                                  quant.GEMM_MIN_ROWS, 41, quant.ONEDNN_MIN_ROWS])
+                                  quant.GEMM_MIN_ROWS, 41, 64])
 def test_packed_provider_matches_native(qtype, dtype, rows):
     g = _seeded()
     block = FORMATS[qtype].block
@@ -83,7 +83,7 @@ def test_packed_provider_matches_native(qtype, dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 40, quant.ONEDNN_MIN_ROWS])
+@pytest.mark.parametrize("rows", [1, 5, 40, 64])
 def test_int8_provider_matches_native(dtype, rows):
     g = _seeded()
     for in_features in (100, 576):  # 100: not a whole number of 32-weight chunks
@@ -119,10 +119,23 @@ def test_in_features_must_fill_whole_blocks():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_path_in_tiles(monkeypatch, dtype):
-    """Large weights are unpacked a tile of rows at a time: uneven tiles, biases and int8 scales stay aligned."""
+    """Large weights are unpacked a tile of rows at a time: uneven tiles, biases and int8 scales stay aligned. (In
+    bf16 this is the path of CPUs without AVX512-BF16, so it is called directly.)"""
     g = _seeded()
     monkeypatch.setattr(quant, "TILE_BYTES", 8 * 512 * 4)  # 8 rows of fp32 (16 of bf16) per tile, 37 rows
-    x = torch.randn(quant.ONEDNN_MIN_ROWS + 3, 512, generator=g).to(dtype)
-    _check(x, random_packed("q4_k", 37, 512, g), "q4_k", bias=torch.randn(37, generator=g))
+    x = torch.randn(67, 512, generator=g).to(dtype)
+    _check(x, random_packed("q4_k", 37, 512, g), "q4_k", bias=torch.randn(37, generator=g), path=quant._tiled_gemm)
     qweight = torch.randint(-127, 128, (37, 512), dtype=torch.int8, generator=g)
-    _check(x, qweight, INT8, torch.rand(37, generator=g) * 0.01, torch.randn(37, generator=g))
+    _check(x, qweight, INT8, torch.rand(37, generator=g) * 0.01, torch.randn(37, generator=g), path=quant._tiled_gemm)
+
+
+@pytest.mark.parametrize("qtype", ["q4_1", "q6_k", INT8])
+def test_panel_gemm_at_prefill_sizes(qtype):
+    """bf16 prefill runs the panel GEMM too: many 12-row passes, a partial last panel (70 = 2 x 32 + 6 rows)."""
+    g = _seeded()
+    x = torch.randn(300, 768, generator=g).to(torch.bfloat16)
+    if qtype == INT8:
+        qweight = torch.randint(-127, 128, (70, 768), dtype=torch.int8, generator=g)
+        _check(x, qweight, INT8, torch.rand(70, generator=g) * 0.01, torch.randn(70, generator=g))
+    else:
+        _check(x, random_packed(qtype, 70, 768, g), qtype, bias=torch.randn(70, generator=g))

@@ -2,11 +2,12 @@
 
 Few activation rows (decode): the products are native's exactly (bf16 activations times each block's quants, or
 fp32 activations times the unpacked fp32 weights), summed in fp32 in another order; a step reads the packed
-bytes, not bf16 weights. Batches of bf16 rows (decode at 16+ sequences): weight rows are unpacked into bf16 and
-multiplied with the rows in fp32 sums. Many rows (prefill): tiles of weights are unpacked into the activation
-dtype and multiplied by torch's GEMM, whose cost per weight is then shared by enough rows that unpacking is noise.
-Unpacking into bf16 rounds each weight to bf16 once (as a bf16 checkpoint is), which the bf16 tolerance covers;
-in fp32 the paths are exact up to summation order.
+bytes, not bf16 weights. More bf16 rows (batched decode and prefill): panels of 32 weight rows are unpacked into
+bf16 and multiplied by a register-blocked GEMM (vdpbf16ps), which beats unpacking tiles into torch's GEMM at every
+batch size measured (8 to 2048 rows). Without AVX512-BF16, and in fp32, many rows go to tiles of weights unpacked
+into the activation dtype and torch's GEMM, whose cost per weight is then shared by enough rows that unpacking is
+noise. Unpacking into bf16 rounds each weight to bf16 once (as a bf16 checkpoint is), which the bf16 tolerance
+covers; in fp32 the paths are exact up to summation order.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from resin.hal.quant import QTYPES
 
 # Thresholds measured on a 2-core AVX512-BF16 machine with `python bench/quant_linear.py`, bf16 activations.
 # Types with a fused bf16 kernel multiply each block's quants exactly: fastest below FUSED_MAX_ROWS (Q4_1
-# 1536x576 at 1 row: 0.029 ms against 0.068 unpacking bf16 rows; Q4_K 1536x512: 0.029 against 0.056; at 8 rows
-# the two are even for Q4_1 and unpacking wins for Q4_K, 0.093 against 0.144); other types unpack bf16 rows.
+# 1536x576 at 1 row: 0.034 ms against 0.075 for the panel GEMM; Q4_K 1536x512: 0.037 against 0.106; at 8 rows
+# the two are even for Q4_1 and the GEMM wins for Q4_K, 0.124 against 0.177); other types take the GEMM.
 FUSED_BF16 = ("q4_0", "q4_1", "q8_0", "q4_k")
 FUSED_MAX_ROWS = 8
 # fp32: the exact row kernel below this many rows, the tiled GEMM from here.
@@ -27,9 +28,6 @@ GEMM_MIN_ROWS = 16
 # Weights unpacked per GEMM call: a tile near L2's size (2 MiB a core here) while the GEMM reads it (unpacking a
 # whole 49152-row lm_head at once went through memory: 3.6x slower at 32 rows).
 TILE_BYTES = 1 << 21
-# bf16 batches up to this many rows run on the batched-rows kernel (unpacked bf16 rows, no
-# reordered weight copy); from here torch's GEMM, whose per-call weight reorder is then shared by enough rows.
-ONEDNN_MIN_ROWS = 64
 
 
 def supports_args(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None = None,
@@ -53,7 +51,7 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: tor
     if x.dtype == torch.bfloat16:
         if m < FUSED_MAX_ROWS and qtype in FUSED_BF16:
             out = ext.quant_matmul(rows, qweight, qtype, scales, bias)
-        elif m < ONEDNN_MIN_ROWS:
+        else:  # Q4_1 1536x576 at 32 rows: 0.19 ms against 0.26 tiled (dense bf16 weights: 0.18); 2048 rows: 8.5 / 8.9
             out = ext.quant_matmul_bf16(rows, qweight, qtype, scales, bias)  # None without AVX512-BF16, or K % 32
     if out is None:
         out = ext.quant_matmul(rows, qweight, qtype, scales, bias) if m < GEMM_MIN_ROWS else \

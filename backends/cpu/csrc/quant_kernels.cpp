@@ -462,68 +462,120 @@ bool try_fused(const at::Tensor&, const at::Tensor&, const std::string&, const f
 #endif
 
 #if defined(__AVX512BF16__)
-// Batches of rows (decode at 16+ sequences): each pair of weight rows is unpacked once into bf16 (rounded, as the
-// GEMM path's unpacked tiles are) and multiplied with 4 activation rows at a time by vdpbf16ps, accumulating in
-// fp32 across the whole row: 8 independent sums, no per-block scaling, and no copy of the weight in another
-// layout (torch's GEMM reorders its weight operand on every call, which at these batch sizes cost more than the
-// products).
-constexpr int kRowsBlock = 8;  // activation rows per pass: 16 sums in registers, 10 loads per 16 vdpbf16ps
+// Batches of rows (decode at 8-63 sequences): a register-blocked GEMM over panels of 32 weight rows. Each panel is
+// unpacked once per call into bf16 (rounded, as the GEMM path's unpacked tiles are) and laid out as (K/2) x 32 pairs
+// of adjacent weights, so one vdpbf16ps multiplies a pair of an activation row (broadcast) with 16 output rows and
+// sums stay per output lane: no horizontal reductions and outputs stored 16 at a time. 24 sums in registers
+// (12 activation rows x 32 outputs) per pass; the panel (36-98 KiB at these K) stays in L2 while every activation
+// row passes over it. torch's GEMM instead reorders its whole weight operand on every call, which at these batch
+// sizes costs more than the products.
+constexpr int kPanel = 32;      // weight rows per panel: two vectors of 16 outputs
+constexpr int kRowsBlock = 12;  // activation rows per pass
 
+// r[i] lane j -> r[j] lane i, for 16 vectors of 16 32-bit lanes: pairs within 128-bit lanes, then 128-bit lanes.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // r[g + j], per 128-bit lane L: rows g..g+3 of column 4L + j
+    r[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    r[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    r[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    r[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // column 4L + j gathers lane L of r[j], r[4 + j], r[8 + j], r[12 + j]
+    const __m512i s0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), s1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i s3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// Weight rows [r0, r0 + 32) (zeros past n) -> panel[p * 32 + j] = bf16 weights 2p, 2p + 1 of row r0 + j.
+template <class F>
+void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t r0, int64_t k, const float* scales,
+                float* f, uint16_t* rows, uint32_t* panel) {
+  for (int j = 0; j < kPanel; ++j) {
+    uint16_t* dst = rows + j * k;
+    if (r0 + j >= n) {
+      std::memset(dst, 0, k * sizeof(uint16_t));
+      continue;
+    }
+    dequant_row<F>(w + (r0 + j) * row_bytes, k, f);
+    const __m512 s = _mm512_set1_ps(scales ? scales[r0 + j] : 1.f);
+    for (int64_t kk = 0; kk < k; kk += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(f + kk), s);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(f + kk + 16), s);
+      _mm512_storeu_si512(dst + kk, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    }
+  }
+  __m512i r[16];
+  for (int64_t c = 0; c < k / 32; ++c)  // 16 pairs of 16 rows at a time
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rows + (16 * h + i) * k + 32 * c);
+      transpose16(r);
+      for (int p = 0; p < 16; ++p) _mm512_storeu_si512(panel + (16 * c + p) * kPanel + 16 * h, r[p]);
+    }
+}
+
+// out[t][r0 .. r0 + valid) = x[t] . panel rows + bias, for MR activation rows.
 template <int MR>
-void bf16_rows_block(const uint16_t* wb, int64_t k, const uint16_t* x, float* res) {
+void panel_rows(const uint32_t* panel, int64_t k, const uint16_t* x, const float* bias, int64_t r0, int valid,
+                c10::BFloat16* out, int64_t n) {
   __m512 acc[2][MR];
-  for (int j = 0; j < 2; ++j)
-    for (int t = 0; t < MR; ++t) acc[j][t] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < k; kk += 32) {
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wb + kk));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wb + k + kk));
+  for (int t = 0; t < MR; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kPanel));
+    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kPanel + 16));
     for (int t = 0; t < MR; ++t) {
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + t * k + kk));
+      int32_t pair;
+      std::memcpy(&pair, x + t * k + 2 * p, sizeof(pair));
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
       acc[0][t] = _mm512_dpbf16_ps(acc[0][t], w0, xv);
       acc[1][t] = _mm512_dpbf16_ps(acc[1][t], w1, xv);
     }
   }
-  for (int j = 0; j < 2; ++j)
-    for (int t = 0; t < MR; ++t) res[j * kRowsBlock + t] = _mm512_reduce_add_ps(acc[j][t]);
+  for (int h = 0; h < 2; ++h) {
+    const int lanes = std::max(0, std::min(16, valid - 16 * h));
+    if (lanes == 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + r0 + 16 * h) : _mm512_setzero_ps();
+    for (int t = 0; t < MR; ++t) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[h][t], b));
+      _mm256_mask_storeu_epi16(out + t * n + r0 + 16 * h, mask, reinterpret_cast<__m256i>(y));
+    }
+  }
+}
+
+template <int MR>
+void panel_rows_upto(int mr, const uint32_t* panel, int64_t k, const uint16_t* x, const float* bias, int64_t r0,
+                     int valid, c10::BFloat16* out, int64_t n) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return panel_rows_upto<MR - 1>(mr, panel, k, x, bias, r0, valid, out, n);
+  }
+  panel_rows<MR>(panel, k, x, bias, r0, valid, out, n);
 }
 
 template <class F>
 void bf16_rows_kernel(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n,
                       const float* scales, const float* bias, c10::BFloat16* out) {
-  const int64_t pairs = (n + 1) / 2;
-  at::parallel_for(0, pairs, std::max<int64_t>(1, (32 << 10) / std::max<int64_t>(2 * row_bytes, 1)),
-                   [&](int64_t p0, int64_t p1) {
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t q0, int64_t q1) {
     std::vector<float> f(k);
-    std::vector<uint16_t> wb(2 * k);
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t rows[2] = {2 * p, std::min(2 * p + 1, n - 1)};  // an odd last row is computed twice, stored once
-      for (int j = 0; j < 2; ++j) {
-        dequant_row<F>(w + rows[j] * row_bytes, k, f.data());
-        const __m512 s = _mm512_set1_ps(scales ? scales[rows[j]] : 1.f);
-        for (int64_t kk = 0; kk < k; kk += 32) {
-          const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(f.data() + kk), s);
-          const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(f.data() + kk + 16), s);
-          _mm512_storeu_si512(wb.data() + j * k + kk, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
-        }
-      }
-      float res[2 * kRowsBlock];
-      for (int64_t i = 0; i < m;) {
+    std::vector<uint16_t> rows(kPanel * k);
+    std::vector<uint32_t> panel(kPanel * k / 2);
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t r0 = q * kPanel;
+      pack_panel<F>(w, row_bytes, n, r0, k, scales, f.data(), rows.data(), panel.data());
+      const int valid = static_cast<int>(std::min<int64_t>(kPanel, n - r0));
+      for (int64_t i = 0; i < m; i += kRowsBlock) {
         const int mr = static_cast<int>(std::min<int64_t>(kRowsBlock, m - i));
-        switch (mr) {
-          case 8: bf16_rows_block<8>(wb.data(), k, x + i * k, res); break;
-          case 7: bf16_rows_block<7>(wb.data(), k, x + i * k, res); break;
-          case 6: bf16_rows_block<6>(wb.data(), k, x + i * k, res); break;
-          case 5: bf16_rows_block<5>(wb.data(), k, x + i * k, res); break;
-          case 4: bf16_rows_block<4>(wb.data(), k, x + i * k, res); break;
-          case 3: bf16_rows_block<3>(wb.data(), k, x + i * k, res); break;
-          case 2: bf16_rows_block<2>(wb.data(), k, x + i * k, res); break;
-          default: bf16_rows_block<1>(wb.data(), k, x + i * k, res);
-        }
-        for (int t = 0; t < mr; ++t)
-          for (int j = 0; j < (rows[1] == rows[0] ? 1 : 2); ++j)
-            out[(i + t) * n + rows[j]] =
-                static_cast<c10::BFloat16>(res[j * kRowsBlock + t] + (bias ? bias[rows[j]] : 0.f));
-        i += mr;
+        panel_rows_upto<kRowsBlock>(mr, panel.data(), k, x + i * k, bias, r0, valid, out + i * n, n);
       }
     }
   });
