@@ -131,8 +131,10 @@ def _quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: to
 
 def _quant_embedding(ids: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None,
                      dtype: torch.dtype) -> torch.Tensor:
-    """The rows of a quantised (vocab, hidden) table selected by token id, dequantised to dtype."""
-    return dequantize(qweight[ids], qtype, None if scales is None else scales[ids]).to(dtype)
+    """The rows of a quantised (vocab, hidden) table selected by token id, dequantised to dtype: (*ids.shape, hidden)."""
+    flat = ids.reshape(-1)
+    rows = dequantize(qweight[flat], qtype, None if scales is None else scales[flat]).to(dtype)
+    return rows.view(*ids.shape, rows.shape[-1])
 
 
 QUANT_LINEAR = Op("quant_linear", _quant_linear)

@@ -71,6 +71,7 @@ class Attention(nn.Module):
         self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = MergedLinear(cfg.hidden_size, [self.h * self.d, self.hk * self.d, self.hk * self.d],
                                      ["q", "k", "v"], bias=cfg.qkv_bias, dtype=dtype)
+        self.qkv_sizes = [self.h * self.d, self.hk * self.d, self.hk * self.d]
         self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
@@ -83,7 +84,7 @@ class Attention(nn.Module):
         self.sinks = param(self.h, dtype=dtype) if cfg.attention_sinks else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        q, k, v = self.qkv_proj(x).split_with_sizes(self.qkv_sizes, dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.h, self.d)).reshape(q.shape)
             k = self.k_norm(k.reshape(-1, self.hk, self.d)).reshape(k.shape)

@@ -4,8 +4,11 @@ random blocks of every packed type each run (odd row counts, batches on both sid
 Every path is covered: few rows (exact products; fused for Q4_0/Q4_1/Q8_0/Q4_K in bf16), bf16 batches (weights unpacked to bf16 rows), large batches
 (tiles unpacked into torch's GEMM). Bounds. fp32: the provider sums in another order than native, so it may differ by fp32 reassociation over K
 terms: K * eps32 * sum_k |x_k w_k| (a wrong nibble or a misread scale moves an output by a whole block's share of
-that sum, ~32/K of it, far above). bf16: native rounds once to bf16; the provider rounds once too (the GEMM path
-also rounds each weight to bf16 first), so each may sit a bf16 step off: 2^-8 (|ref| + sum_k |x_k w_k|).
+that sum, ~32/K of it, far above). bf16: native rounds its fp32 sum once to bf16 and the provider rounds its own
+once (the GEMM path also rounds each weight to bf16 first: 2^-8 sum_k |x_k w_k|). Two fp32 sums that differ by
+reassociation and straddle a rounding midpoint round to neighbouring bf16 values, a whole step apart: 2^-7 |ref|
+(seen: exact 1.19921869, native's fp32 sum 1.19921887, the midpoint 1.19921875 between them; native gave 1.203125,
+the kernel the correctly rounded 1.1953125).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import torch
 
 from resin import hal
 from resin.backends.cpu import quant
-from resin.hal.quant import FORMATS, INT8, dequantize
+from resin.hal.quant import FORMATS, INT8, QTYPES, dequantize
 from resin.tiny import random_packed
 
 from conftest import require_cpu_kernels
@@ -49,9 +52,10 @@ def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, exact_products: 
     reassociation = x.shape[-1] * torch.finfo(torch.float32).eps * magnitude + 1e-30
     if x.dtype == torch.float32:
         return reassociation
+    output_rounding = 2.0 ** -7 * ref.double().abs()  # both round to bf16: one step apart at most (docstring)
     if exact_products:
-        return 2.0 ** -8 * ref.double().abs() + reassociation
-    return 2.0 ** -8 * (ref.double().abs() + magnitude)
+        return output_rounding + reassociation
+    return output_rounding + 2.0 ** -8 * magnitude
 
 
 def _check(x, qweight, qtype, scales=None, bias=None, path=quant.quant_linear):
@@ -103,6 +107,26 @@ def test_native_decoders_follow_the_weight_device(qtype):
 def test_cpu_backend_chooses_the_packed_kernels():
     sel = hal.select_backend("cpu", install=False)
     assert sel.table["quant_linear"].chosen == "cpp", sel.format_table()
+    assert sel.table["quant_embedding"].chosen == "cpp", sel.format_table()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding_provider_matches_native(qtype, dtype):
+    """Rows picked by id (repeats, a 2-D batch of ids) unpacked by the kernel: native's values exactly (the kernel
+    forms each weight as native does, and a block scale times a small integer quant is exact in fp32)."""
+    g = _seeded()
+    if qtype == INT8:
+        qweight, scales = torch.randint(-127, 128, (50, 512), dtype=torch.int8, generator=g), torch.rand(50) * 0.01
+    else:
+        qweight, scales = random_packed(qtype, 50, 512, g), None
+    ids = torch.randint(0, 50, (3, 7), generator=g)
+    ids[0, 0] = ids[2, 6] = 49
+    ref = hal.QUANT_EMBEDDING.native(ids, qweight, qtype, scales, dtype)
+    got = quant.quant_embedding(ids, qweight, qtype, scales, dtype)
+    assert got.dtype == dtype and got.shape == ref.shape == (3, 7, 512)
+    assert torch.equal(got, ref)
+    assert quant.embedding_args(ids, qweight, qtype, scales, torch.float16) is not None
 
 
 def test_unsupported_calls_are_declined_with_a_reason():

