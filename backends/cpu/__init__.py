@@ -3,10 +3,9 @@
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
 against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused
 norms, rotary, silu-and-mul, paged decode attention, linear layers and embedding rows over packed GGUF / int8
-weights; built once
-per machine), then plain-torch providers that
-serve when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor
-ops), and bf16 linear through oneDNN with weights reordered once.
+weights; built once per machine), then plain-torch providers that serve when no compiler is present (paged
+attention split into decode and prefill paths, rotary in whole-tensor ops), and bf16 linear through oneDNN with
+weights reordered once.
 """
 from resin.backends.cpu import delta_rule, kernels, linear, quant, rotary
 from resin.backends.cpu.attention import CppAttention, CpuAttention
