@@ -19,6 +19,7 @@ import torch
 
 from resin.core.request import Request
 from resin.core.structured_output import GrammarMask, grammar_mask
+from resin.hal.ops import ARGMAX
 
 _NEG_INF = float("-inf")
 
@@ -66,7 +67,7 @@ class Sampler:
         scores = _usable(self._penalise(masked, reqs), masked, stops, grammar)
 
         greedy = [p.greedy for p in params]  # one rule for "greedy" (SamplingParams.greedy), here and everywhere
-        tokens = scores.argmax(dim=-1)
+        tokens = ARGMAX(scores)
         if not all(greedy):
             temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=device)
             drawn = self._draw(scores, temps, reqs)
@@ -124,7 +125,7 @@ class Sampler:
         # exponential_ can return exactly 0 on some backends (pytorch issue 22557), and 0 / 0 is a NaN the argmax
         # would pick even for a token of probability 0; a tiny floor keeps those tokens at 0.
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return ARGMAX(probs / noise)
 
     def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, params: list) -> list:
         if raw is None:

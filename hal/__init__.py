@@ -5,7 +5,7 @@ from resin.hal.attention import (ATTENTION, AttentionBackend, AttentionLayer, At
                                  write_kv)
 from resin.hal.fp8 import FP8_LINEAR, e4m3fn_to_e4m3fnuz, quantize_fp8
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
-from resin.hal.ops import (EMBEDDING, FUSED_ADD_RMS_NORM, GELU_AND_MUL, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL)
+from resin.hal.ops import (ARGMAX, EMBEDDING, FUSED_ADD_RMS_NORM, GELU_AND_MUL, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL)
 from resin.hal.platform import Platform, detect_kind
 from resin.hal.quant import QUANT_EMBEDDING, QUANT_LINEAR
 from resin.hal.recurrent import (CAUSAL_CONV1D, CAUSAL_CONV1D_UPDATE, GATED_DELTA_RULE, RecurrentLayer,
@@ -20,7 +20,7 @@ __all__ = [
     "write_kv",
     "FP8_LINEAR", "e4m3fn_to_e4m3fnuz", "quantize_fp8", "FUSED_MOE", "MOE_ROUTE",
     "CAUSAL_CONV1D", "CAUSAL_CONV1D_UPDATE", "GATED_DELTA_RULE", "RecurrentLayer", "RecurrentMetadata",
-    "EMBEDDING", "FUSED_ADD_RMS_NORM", "GELU_AND_MUL", "LINEAR", "RMS_NORM", "ROTARY", "SILU_AND_MUL",
+    "ARGMAX", "EMBEDDING", "FUSED_ADD_RMS_NORM", "GELU_AND_MUL", "LINEAR", "RMS_NORM", "ROTARY", "SILU_AND_MUL",
     "QUANT_EMBEDDING", "QUANT_LINEAR", "Platform", "detect_kind", "Op", "OpChoice", "Provider", "SelectionError", "all_ops", "rope_cos_sin_cache",
     "BACKENDS", "BackendSpec", "Selection", "describe_backend", "select_backend",
 ]

@@ -73,6 +73,13 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return F.linear(x, weight, bias)
 
 
+def _argmax(scores: torch.Tensor) -> torch.Tensor:
+    """The greedy choice: the first index of each row's largest score (rows, vocab) -> (rows,) int64; a NaN counts
+    as largest."""
+    return scores.argmax(dim=-1)
+
+
+ARGMAX = Op("argmax", _argmax)
 RMS_NORM = Op("rms_norm", _rms_norm)
 FUSED_ADD_RMS_NORM = Op("fused_add_rms_norm", _fused_add_rms_norm)
 ROTARY = Op("rotary", _rotary)

@@ -109,6 +109,24 @@ def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d, bloc
     assert head_major_vs_native(CppAttention, layer, shapes, dtype, block_size=block_size) <= tol
 
 
+@pytest.mark.parametrize("rows, n", [(1, 49152), (5, 37), (33, 1000), (2, 16)])
+def test_argmax_equals_torch(rows, n):
+    """Fresh random rows, plus ties (the first wins), -inf rows, a NaN (counts as largest), a maximum in the scalar
+    tail, and rows of a wider matrix (the sampler's vocabulary slice)."""
+    x = torch.randn(rows, n + 3)[:, :n]
+    x[0, n // 2] = x[0, n // 3] = x[0].max() + 1
+    if rows > 1:
+        x[1] = float("-inf")
+    if rows > 2:
+        x[2, n - 1] = float("inf")
+        x[3, n // 2], x[3, n - 2] = float("nan"), float("nan")
+        x[4, :] = 0.0
+        x[4, 3] = -0.0
+    assert kernels.argmax_args(x) is None
+    assert torch.equal(kernels.argmax(x), hal.ARGMAX.native(x))
+    assert kernels.argmax_args(x.double()) is not None and kernels.argmax_args(x.t()) is not None
+
+
 def test_cpp_attention_declines_other_dtypes():
     layers = [hal.AttentionLayer(4, 2, 16, 0.25)]
     assert "float64" in CppAttention.unsupported_reason(layers, 16, torch.float64, torch.device("cpu"))

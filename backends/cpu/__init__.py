@@ -2,15 +2,15 @@
 
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
 against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused
-norms, rotary, silu-and-mul, paged decode attention, linear layers and embedding rows over packed GGUF / int8
-weights; built once per machine), then plain-torch providers that serve when no compiler is present (paged
+norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax, linear layers and embedding rows over
+packed GGUF / int8 weights; built once per machine), then plain-torch providers that serve when no compiler is present (paged
 attention split into decode and prefill paths, rotary in whole-tensor ops), and bf16 linear through oneDNN with
 weights reordered once.
 """
 from resin.backends.cpu import delta_rule, kernels, linear, quant, rotary
 from resin.backends.cpu.attention import CppAttention, CpuAttention
 from resin.hal.attention import ATTENTION
-from resin.hal.ops import FUSED_ADD_RMS_NORM, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL
+from resin.hal.ops import ARGMAX, FUSED_ADD_RMS_NORM, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL
 from resin.hal.quant import QUANT_EMBEDDING, QUANT_LINEAR
 from resin.hal.recurrent import GATED_DELTA_RULE
 from resin.hal.selection import BackendSpec
@@ -23,6 +23,7 @@ FUSED_ADD_RMS_NORM.register("cpp", supported=kernels.supported,
                             supports_args=kernels.add_norm_args)(kernels.fused_add_rms_norm)
 ROTARY.register("cpp", supported=kernels.supported, supports_args=kernels.rotary_args)(kernels.rotary)
 ROTARY.register("cpu", supports_args=rotary.supports_args)(rotary.rotary)
+ARGMAX.register("cpp", supported=kernels.supported, supports_args=kernels.argmax_args)(kernels.argmax)
 SILU_AND_MUL.register("cpp", supported=kernels.supported, supports_args=kernels.act_args)(kernels.silu_and_mul)
 QUANT_LINEAR.register("cpp", supported=kernels.supported, supports_args=quant.supports_args)(quant.quant_linear)
 QUANT_EMBEDDING.register("cpp", supported=kernels.supported,
@@ -32,7 +33,8 @@ GATED_DELTA_RULE.register("chunked", supports_args=delta_rule.supports_args)(del
 BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "linear": ["onednn"],
                                          "rms_norm": ["cpp"], "fused_add_rms_norm": ["cpp"],
                                          "rotary": ["cpp", "cpu"], "silu_and_mul": ["cpp"],
-                                         "gated_delta_rule": ["chunked"], "quant_linear": ["cpp"], "quant_embedding": ["cpp"]},
+                                         "gated_delta_rule": ["chunked"], "quant_linear": ["cpp"], "quant_embedding": ["cpp"],
+                                         "argmax": ["cpp"]},
                       note="PyTorch on the CPU with Resin's C++ kernels for the per-layer ops (built once per "
                            "machine; plain-torch providers where no compiler is found); bf16 linear through oneDNN "
                            "with prepacked weights; GGUF / int8 weights kept packed (C++ kernels); the gated delta rule in chunked form for prefill")

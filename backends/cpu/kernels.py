@@ -210,3 +210,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return extension().silu_and_mul(x)
     out = extension().silu_and_mul(x.reshape(-1, x.shape[-1]))
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def argmax_args(scores: torch.Tensor) -> str | None:
+    if not scores.is_cpu or scores.dtype != torch.float32 or scores.dim() != 2 or scores.shape[-1] == 0:
+        return "cpu float32 (rows, n) scores only"
+    if scores.stride(-1) != 1:
+        return "rows must be contiguous"
+    return None
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    return extension().argmax_rows(scores)

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #if defined(__AVX512F__)
@@ -541,6 +542,58 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Greedy choice: the first index of each row's largest value, a NaN counting as largest (torch.argmax's rule).
+// torch's CPU argmax is a scalar loop, 45 us for one 49152-entry row of logits and 0.67 ms for 32 rows; here one
+// vector pass finds the maximum (and whether a NaN is present) and a second stops at its first occurrence.
+int64_t argmax_row(const float* v, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  __m512 vm = _mm512_set1_ps(m);
+  __mmask16 unordered = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 a = _mm512_loadu_ps(v + i);
+    unordered |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+    vm = _mm512_max_ps(vm, a);
+  }
+  m = _mm512_reduce_max_ps(vm);
+  nan = unordered != 0;
+#endif
+  for (; i < n; ++i) {
+    nan |= std::isnan(v[i]);
+    m = v[i] > m ? v[i] : m;
+  }
+  i = 0;
+#if defined(__AVX512F__)
+  if (!nan) {
+    const __m512 target = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+      const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + i), target, _CMP_EQ_OQ);
+      if (hit) return i + __builtin_ctz(hit);
+    }
+  }
+#endif
+  for (; i < n; ++i)
+    if (nan ? std::isnan(v[i]) : v[i] == m) return i;
+  return 0;
+}
+
+// x (rows, n) float32 with contiguous rows -> (rows,) int64.
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be float32 (rows, n) with contiguous, non-empty rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* p = x.const_data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) o[r] = argmax_row(p + r * stride, n);
+  });
+  return out;
+}
+
 }  // namespace
 
 // quant_kernels.cpp: linear layers over weights kept quantised (GGUF blocks, per-channel int8).
@@ -558,6 +611,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("write_kv", &write_kv, "store new keys and values at their slots of the head-major cache");
   m.def("paged_decode_attention", &paged_decode_attention, "one-query-per-sequence attention over a paged cache");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as largest)");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(qweight).T * scales + bias, weights unpacked row by row");
   m.def("quant_dequantize", &quant_dequantize, "quantised rows -> (N, K) float32 or bfloat16");
   m.def("quant_matmul_bf16", &quant_matmul_bf16, "bf16 x @ bf16-rounded unpacked weights, for batches of rows");
