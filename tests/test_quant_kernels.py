@@ -163,3 +163,61 @@ def test_panel_gemm_at_prefill_sizes(qtype):
         _check(x, qweight, INT8, torch.rand(70, generator=g) * 0.01, torch.randn(70, generator=g))
     else:
         _check(x, random_packed(qtype, 70, 768, g), qtype, bias=torch.randn(70, generator=g))
+
+
+@pytest.fixture(scope="module")
+def portable_kernels(tmp_path_factory):
+    """The same sources built for a CPU without AVX2 or AVX-512 (x86-64-v2): the portable loops, which this
+    machine's -march=native build never runs."""
+    import platform
+
+    from torch.utils import cpp_extension
+
+    from resin.backends.cpu import kernels
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"requires an x86-64 CPU to build for x86-64-v2 (this is {platform.machine()})")
+    flags = [f for f in kernels._FLAGS if f != "-march=native"] + ["-march=x86-64-v2"]
+    return cpp_extension.load(name="resin_cpu_kernels_portable", sources=[str(s) for s in kernels.SOURCES],
+                              build_directory=str(tmp_path_factory.mktemp("portable")), extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_portable_build_matches_native(portable_kernels, monkeypatch, dtype):
+    """Every packed type and int8 through the portable build: few rows, the bf16 batch path (which declines there,
+    so tiles serve), the GEMM switch; and its embedding rows and argmax."""
+    from resin.backends.cpu import kernels
+
+    monkeypatch.setattr(kernels, "extension", lambda: portable_kernels)
+    g = _seeded()
+    rows_bf16 = torch.zeros(2, 64, dtype=torch.bfloat16)
+    assert portable_kernels.quant_matmul_bf16(rows_bf16, random_packed("q4_1", 4, 64, g), "q4_1", None,
+                                              None) is None  # no AVX512-BF16: the caller's GEMM path serves
+    for qtype in QTYPES:
+        for rows in (1, quant.FUSED_MAX_ROWS - 1, quant.GEMM_MIN_ROWS + 1):
+            x = torch.randn(rows, 512, generator=g).to(dtype)
+            if qtype == INT8:
+                qweight = torch.randint(-127, 128, (37, 512), dtype=torch.int8, generator=g)
+                _check(x, qweight, INT8, torch.rand(37, generator=g) * 0.01, torch.randn(37, generator=g))
+                ids = torch.randint(0, 37, (5,), generator=g)
+                assert torch.equal(quant.quant_embedding(ids, qweight, INT8, torch.ones(37), dtype),
+                                   hal.QUANT_EMBEDDING.native(ids, qweight, INT8, torch.ones(37), dtype))
+            else:
+                qweight = random_packed(qtype, 37, 512, g)
+                _check_unfused(x, qweight, qtype)
+                ids = torch.randint(0, 37, (5,), generator=g)
+                assert torch.equal(quant.quant_embedding(ids, qweight, qtype, None, dtype),
+                                   hal.QUANT_EMBEDDING.native(ids, qweight, qtype, None, dtype))
+    scores = torch.randn(3, 1000, generator=g)
+    scores[1, 7] = scores[1, 9] = scores[1].max() + 1
+    assert torch.equal(portable_kernels.argmax_rows(scores), scores.argmax(-1))
+
+
+def _check_unfused(x, qweight, qtype):
+    """_check with the bound of a path that may round weights to bf16 (the portable build has no fused kernel)."""
+    ref = hal.QUANT_LINEAR.native(x, qweight, qtype)
+    got = quant.quant_linear(x, qweight, qtype)
+    w = dequantize(qweight, qtype)
+    err = (got.double() - ref.double()).abs()
+    worst = (err / _bound(x, w, ref, exact_products=False)).max().item()
+    assert worst <= 1.0, f"{qtype} {tuple(x.shape)} {x.dtype}: error {worst:.2f}x the bound"
