@@ -109,6 +109,29 @@ def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d, bloc
     assert head_major_vs_native(CppAttention, layer, shapes, dtype, block_size=block_size) <= tol
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [576, 1536, 100])
+def test_bf16_gemv_matches_native(rows, k):
+    """Fresh random bf16 rows and weights (37 outputs: a partial 4-row group; K = 100: a masked tail), with and
+    without bias. Both multiply exactly and sum in fp32 in their own order, then round once to bf16, so they may
+    sit one bf16 step apart plus fp32 reassociation: 2^-7 |ref| + K eps32 sum |x w|."""
+    from resin.hal.platform import cpu_platform
+
+    ok, why = kernels.gemv_supported(cpu_platform())
+    if not ok:
+        pytest.skip(f"requires AVX512-BF16: {why}")
+    x, w, b = torch.randn(rows, k).bfloat16(), torch.randn(37, k).bfloat16(), torch.randn(37).bfloat16()
+    for bias in (None, b):
+        assert kernels.gemv_args(x, w, bias) is None
+        ref = hal.LINEAR.native(x, w, bias).double()
+        got = kernels.bf16_gemv(x, w, bias)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
+        bound = 2.0 ** -7 * ref.abs() + k * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
+        assert ((got.double() - ref).abs() <= bound).all()
+    assert kernels.gemv_args(torch.randn(5, k).bfloat16(), w) is not None  # 5 rows: oneDNN's GEMM
+    assert kernels.gemv_args(x.float(), w.float()) is not None
+
+
 @pytest.mark.parametrize("rows, n", [(1, 49152), (5, 37), (33, 1000), (2, 16)])
 def test_argmax_equals_torch(rows, n):
     """Fresh random rows, plus ties (the first wins), -inf rows, a NaN (counts as largest), a maximum in the scalar

@@ -2,10 +2,10 @@
 
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
 against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused
-norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax, linear layers and embedding rows over
-packed GGUF / int8 weights; built once per machine), then plain-torch providers that serve when no compiler is present (paged
-attention split into decode and prefill paths, rotary in whole-tensor ops), and bf16 linear through oneDNN with
-weights reordered once.
+norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax, bf16 GEMVs for 1-4 rows, linear layers
+and embedding rows over packed GGUF / int8 weights; built once per machine), then plain-torch providers that serve
+when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor ops), and
+bf16 linear through oneDNN with weights reordered once.
 """
 from resin.backends.cpu import delta_rule, kernels, linear, quant, rotary
 from resin.backends.cpu.attention import CppAttention, CpuAttention
@@ -17,6 +17,7 @@ from resin.hal.selection import BackendSpec
 
 ATTENTION.register("cpp", supported=kernels.supported, supports_args=CppAttention.unsupported_reason)(CppAttention)
 ATTENTION.register("cpu", supports_args=CpuAttention.unsupported_reason)(CpuAttention)
+LINEAR.register("cpp", supported=kernels.gemv_supported, supports_args=kernels.gemv_args)(kernels.bf16_gemv)
 LINEAR.register("onednn", supported=linear.supported, supports_args=linear.supports_args)(linear.onednn_linear)
 RMS_NORM.register("cpp", supported=kernels.supported, supports_args=kernels.norm_args)(kernels.rms_norm)
 FUSED_ADD_RMS_NORM.register("cpp", supported=kernels.supported,
@@ -30,7 +31,7 @@ QUANT_EMBEDDING.register("cpp", supported=kernels.supported,
                          supports_args=quant.embedding_args)(quant.quant_embedding)
 GATED_DELTA_RULE.register("chunked", supports_args=delta_rule.supports_args)(delta_rule.chunked_gated_delta_rule)
 
-BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "linear": ["onednn"],
+BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "linear": ["cpp", "onednn"],
                                          "rms_norm": ["cpp"], "fused_add_rms_norm": ["cpp"],
                                          "rotary": ["cpp", "cpu"], "silu_and_mul": ["cpp"],
                                          "gated_delta_rule": ["chunked"], "quant_linear": ["cpp"], "quant_embedding": ["cpp"],

@@ -222,3 +222,26 @@ def argmax_args(scores: torch.Tensor) -> str | None:
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
     return extension().argmax_rows(scores)
+
+
+GEMV_MAX_ROWS = 4  # bench: 1-row GEMVs at ~1.6x oneDNN's bytes/s; from a few rows on oneDNN's GEMM catches up
+
+
+def gemv_supported(platform: Platform) -> tuple[bool, str]:
+    if "avx512_bf16" not in platform.cpu_flags:
+        return False, "Resin's bf16 GEMV needs AVX512-BF16"
+    return supported(platform)
+
+
+def gemv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu or weight.dim() != 2:
+        return "bf16 x and 2-D bf16 weight on the cpu only"
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
+        return f"1 to {GEMV_MAX_ROWS} rows of x (batch-1..4 decode)"
+    if not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
+        return "contiguous weight, bias bf16"
+    return None
+
+
+def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return extension().bf16_gemv(x, weight, bias)
