@@ -28,10 +28,10 @@ def paged_batch(shapes: list[tuple[int, int]], block_size: int, num_blocks: int)
     return meta, start
 
 
-def head_major_vs_native(backend_cls: type, layer: hal.AttentionLayer, shapes: list[tuple[int, int]],
-                         dtype: torch.dtype, block_size: int = 4, num_blocks: int = 64) -> float:
+def head_major_outputs(backend_cls: type, layer: hal.AttentionLayer, shapes: list[tuple[int, int]],
+                       dtype: torch.dtype, block_size: int = 4, num_blocks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """Runs a cpu attention provider (head-major cache) and native on the same random batch and cache; asserts the
-    caches end up equal (the KV write) and returns the largest output difference."""
+    caches end up equal (the KV write) and returns both outputs (native's first) in fp32."""
     h, hk, d = layer.num_heads, layer.num_kv_heads, layer.head_size
     meta, t = paged_batch(shapes, block_size, num_blocks)
     cache = torch.randn(2, num_blocks, block_size, hk, d).to(dtype)
@@ -47,4 +47,11 @@ def head_major_vs_native(backend_cls: type, layer: hal.AttentionLayer, shapes: l
     assert head_major.shape == backend.kv_cache_shape(num_blocks, block_size, hk, d)
     got = backend.forward(0, q, k, v, head_major).float()
     assert torch.equal(head_major.permute(0, 2, 3, 1, 4), ref_cache)
+    return ref, got
+
+
+def head_major_vs_native(backend_cls: type, layer: hal.AttentionLayer, shapes: list[tuple[int, int]],
+                         dtype: torch.dtype, block_size: int = 4, num_blocks: int = 64) -> float:
+    """The largest output difference between a cpu provider and native (head_major_outputs)."""
+    ref, got = head_major_outputs(backend_cls, layer, shapes, dtype, block_size, num_blocks)
     return (ref - got).abs().max().item()

@@ -13,7 +13,7 @@ from resin import hal
 from resin.backends.cpu import kernels
 from resin.backends.cpu.attention import CppAttention
 
-from attention_batches import head_major_vs_native
+from attention_batches import head_major_outputs, head_major_vs_native
 from conftest import require_cpu_kernels
 
 pytestmark = pytest.mark.kernels
@@ -107,6 +107,25 @@ def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d, bloc
     """Decode rows through the C++ kernel (prefill rows still SDPA), KV written by the C++ writer."""
     layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)
     assert head_major_vs_native(CppAttention, layer, shapes, dtype, block_size=block_size) <= tol
+
+
+@pytest.mark.parametrize("shapes", [[(2000, 1)], [(3000, 1), (1, 1)], [(130, 1), (3, 1)]])
+@pytest.mark.parametrize("window", [None, 600])
+@pytest.mark.parametrize("h,hk,d", [(9, 3, 64), (8, 1, 128)])
+def test_cpp_decode_split_across_threads_matches_native(shapes, window, h, hk, d):
+    """Few (sequence, KV head) items and long contexts: the bf16 kernel splits each key range into parts that run
+    on every thread and merges them by their maxima. Four threads whatever the machine, so the splits are the same
+    everywhere: 2000 keys in 3 or 7 parts, a 1-key sequence beside a 3000-key one (empty parts), a 600-key window
+    (2 parts), short sequences (one part, no merge). Both sides compute in fp32 and round once to bf16, so they
+    may sit one bf16 step apart (2^-7 |ref|); a part lost or mis-weighted in the merge moves far more."""
+    layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        ref, got = head_major_outputs(CppAttention, layer, shapes, torch.bfloat16, block_size=16, num_blocks=256)
+    finally:
+        torch.set_num_threads(threads)
+    assert ((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-6).all()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])

@@ -365,25 +365,31 @@ inline void for_each_block(const R* head, const int32_t* table, int64_t block_si
   }
 }
 
+// exp(s - max) of one query head's scores in place (a row of len); returns the sum, *mx gets the max.
+inline float exp_row(float* __restrict__ s, int64_t len, float* mx_out) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < len; ++i) mx = std::max(mx, s[i]);
+  float part[kLanes] = {0};
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      s[i + j] = poly_exp(s[i + j] - mx);
+      part[j] += s[i + j];
+    }
+  for (; i < len; ++i) {
+    s[i] = poly_exp(s[i] - mx);
+    part[0] += s[i];
+  }
+  *mx_out = mx;
+  return lane_sum(part);
+}
+
 // The fp32 softmax of each query head's scores, in place (a row of len per head).
 inline void softmax_rows(float* scores, int64_t group, int64_t len) {
   for (int64_t g = 0; g < group; ++g) {
-    float* __restrict__ s = scores + g * len;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < len; ++i) mx = std::max(mx, s[i]);
-    float part[kLanes] = {0};
-    int64_t i = 0;
-    for (; i + kLanes <= len; i += kLanes)
-      for (int j = 0; j < kLanes; ++j) {
-        s[i + j] = poly_exp(s[i + j] - mx);
-        part[j] += s[i + j];
-      }
-    for (; i < len; ++i) {
-      s[i] = poly_exp(s[i] - mx);
-      part[0] += s[i];
-    }
-    const float inv = 1.0f / lane_sum(part);
-    for (int64_t i = 0; i < len; ++i) s[i] *= inv;
+    float mx;
+    const float inv = 1.0f / exp_row(scores + g * len, len, &mx);
+    for (int64_t i = 0; i < len; ++i) scores[g * len + i] *= inv;
   }
 }
 
@@ -429,16 +435,23 @@ void decode_item(raw_t<T>* out, const raw_t<T>* q, float scale, const raw_t<T>* 
 // accumulators in registers. The compiler's vectorisation of decode_item spills its reductions and accumulators
 // to the stack (~30 GFLOP/s on 2 cores at batch 32 vs ~100 here). With the KV write, a layer's decode attention
 // is 5x faster than the plain-torch provider's gather + matmuls at batch 32 (bench/attention_paths.py).
+// One item's keys first..last-1 (all of them, or one part of a split range) for its G query heads, unnormalised:
+// per head mx (the largest score), sum (of exp(score - mx)) and acc (sum of exp(score - mx) * v), fp32.
 template <int D>
-void decode_item_bf16(uint16_t* out, const uint16_t* q, float scale, const uint16_t* k_head, const uint16_t* v_head,
-                      const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t group,
-                      std::vector<float>& scratch) {
+void decode_part_bf16(float* acc, float* mx, float* sum, const uint16_t* q, float scale, const uint16_t* k_head,
+                      const uint16_t* v_head, const int32_t* table, int64_t block_size, int64_t first, int64_t last,
+                      int64_t group, std::vector<float>& scratch) {
   constexpr int kBf16Regs = D / 32, kF32Regs = D / 16;
   const int64_t len = last - first;
-  scratch.resize(group * len + group * D + block_size * D);
+  std::fill(acc, acc + group * D, 0.0f);
+  if (len <= 0) {  // an empty part of a split range: weighs nothing in the merge
+    std::fill(mx, mx + group, -INFINITY);
+    std::fill(sum, sum + group, 0.0f);
+    return;
+  }
+  scratch.resize(group * len + block_size * D);
   float* scores = scratch.data();
-  float* acc = scores + group * len;
-  float* vblock = acc + group * D;
+  float* vblock = scores + group * len;
   for_each_block(k_head, table, block_size, first, last, D, [&](int64_t pos, const uint16_t* rows, int64_t count) {
     for (int64_t g = 0; g < group; ++g) {
       __m512bh qv[kBf16Regs];
@@ -452,8 +465,7 @@ void decode_item_bf16(uint16_t* out, const uint16_t* q, float scale, const uint1
       }
     }
   });
-  softmax_rows(scores, group, len);
-  std::fill(acc, acc + group * D, 0.0f);
+  for (int64_t g = 0; g < group; ++g) sum[g] = exp_row(scores + g * len, len, mx + g);
   for_each_block(v_head, table, block_size, first, last, D, [&](int64_t pos, const uint16_t* rows, int64_t count) {
     for (int64_t t = 0; t < count; ++t)
       for (int j = 0; j < kF32Regs; ++j) {
@@ -471,7 +483,66 @@ void decode_item_bf16(uint16_t* out, const uint16_t* q, float scale, const uint1
       for (int j = 0; j < kF32Regs; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[j]);
     }
   });
-  for (int64_t i = 0; i < group * D; ++i) out[i] = Io<c10::BFloat16>::store(acc[i]);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr int64_t kMinPartKeys = 256;  // keys per part at least: below that the split costs more than it gains
+constexpr int64_t kMaxParts = 64;
+
+// bf16, D = 64 or 128: with fewer (sequence, KV head) items than twice the threads (batch-1 decode: 3 KV heads on
+// 2 cores left one core a third idle), each item's key range is split into parts that run on all threads, and
+// the parts merge by their maxima (flash-decoding): out = sum_p e^(mx_p - M) acc_p / sum_p e^(mx_p - M) sum_p.
+template <int D>
+void decode_kernel_bf16(uint16_t* out, const uint16_t* q, int64_t q_stride, const uint16_t* cache,
+                        const int32_t* tables, int64_t table_stride, const int32_t* seq_lens, int64_t batch,
+                        int64_t heads, int64_t kv_heads, int64_t blocks, int64_t block_size, float scale,
+                        int64_t window) {
+  const int64_t group = heads / kv_heads, items = batch * kv_heads;
+  const int64_t head_stride = blocks * block_size * D, plane = kv_heads * head_stride;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max<int64_t>(longest, seq_lens[b]);
+  if (window > 0) longest = std::min(longest, window);
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = items >= 2 * threads ? 1
+                        : std::clamp<int64_t>(std::min((2 * threads + items - 1) / items, longest / kMinPartKeys), 1,
+                                              kMaxParts);
+  const int64_t units = items * parts, width = group * D;
+  std::vector<float> acc(units * width), mx(units * group), sum(units * group);
+  const auto merge = [&](int64_t item) {
+    uint16_t* o = out + ((item / kv_heads) * heads + (item % kv_heads) * group) * D;
+    for (int64_t g = 0; g < group; ++g) {
+      float top = -INFINITY, total = 0.0f, weight[kMaxParts];
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, mx[(item * parts + p) * group + g]);
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t u = (item * parts + p) * group + g;
+        weight[p] = sum[u] > 0.0f ? std::exp(mx[u] - top) : 0.0f;
+        total += weight[p] * sum[u];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < D; ++i) {
+        float v = 0.0f;
+        for (int64_t p = 0; p < parts; ++p) v += weight[p] * acc[(item * parts + p) * width + g * D + i];
+        o[g * D + i] = Io<c10::BFloat16>::store(v * inv);
+      }
+    }
+  };
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t item = unit / parts, part = unit % parts, b = item / kv_heads, h = item % kv_heads;
+      const int64_t len = seq_lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t span = (len - first + parts - 1) / parts;
+      const int64_t lo = std::min(len, first + part * span), hi = std::min(len, lo + span);
+      decode_part_bf16<D>(acc.data() + unit * width, mx.data() + unit * group, sum.data() + unit * group,
+                          q + b * q_stride + h * width, scale, cache + h * head_stride, cache + plane + h * head_stride,
+                          tables + b * table_stride, block_size, lo, hi, group, scratch);
+      if (parts == 1) merge(item);  // a whole range: finish it while its accumulators are still in cache
+    }
+  });
+  if (parts > 1) at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) merge(item);
+  });
 }
 #endif
 
@@ -479,6 +550,14 @@ template <typename T>
 void decode_kernel(raw_t<T>* out, const raw_t<T>* q, int64_t q_stride, const raw_t<T>* cache, const int32_t* tables,
                    int64_t table_stride, const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
                    int64_t blocks, int64_t block_size, int64_t d, float scale, int64_t window) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (d == 64 || d == 128)
+      return (d == 64 ? decode_kernel_bf16<64> : decode_kernel_bf16<128>)(
+          out, q, q_stride, cache, tables, table_stride, seq_lens, batch, heads, kv_heads, blocks, block_size, scale,
+          window);
+  }
+#endif
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = blocks * block_size * d, plane = kv_heads * head_stride;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -491,15 +570,6 @@ void decode_kernel(raw_t<T>* out, const raw_t<T>* q, int64_t q_stride, const raw
       const raw_t<T>* qh = q + b * q_stride + h * group * d;
       raw_t<T>* oh = out + (b * heads + h * group) * d;
       const int32_t* table = tables + b * table_stride;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, c10::BFloat16>) {
-        if (d == 64 || d == 128) {
-          (d == 64 ? decode_item_bf16<64> : decode_item_bf16<128>)(oh, qh, scale, k_head, k_head + plane, table,
-                                                                   block_size, first, len, group, scratch);
-          continue;
-        }
-      }
-#endif
       if (d == 64)
         decode_item<T, 64>(oh, qh, scale, k_head, k_head + plane, table, block_size, first, len, group, d, scratch);
       else if (d == 128)

@@ -312,6 +312,13 @@ inline __m512i bf16_table(int offset) {
   return _mm512_load_si512(t);
 }
 
+// The sum of a group of 32 bf16 activations, which a block's min multiplies.
+inline float group_sum(const uint16_t* x) {
+  float s = 0.f;
+  for (int j = 0; j < 32; ++j) s += static_cast<float>(c10::BFloat16(x[j], c10::BFloat16::from_bits()));
+  return s;
+}
+
 // A decoder turns one stored block into kUnits groups of 32 quants as bf16 (exact), each with its scale and the
 // term that multiplies the group's activation sum (minus a Q4_K sub-block's min): w = scale * q + min.
 struct FusedQ8_0 {
@@ -388,11 +395,7 @@ void fused_matmul(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int6
   const auto* xb = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
   std::vector<float> xsum(D::kMin ? m * nb : 0);  // a min multiplies its group's activation sum
   if constexpr (D::kMin)
-    for (int64_t i = 0; i < m * nb; ++i) {
-      float s = 0.f;
-      for (int j = 0; j < 32; ++j) s += static_cast<float>(c10::BFloat16(xb[i * 32 + j], c10::BFloat16::from_bits()));
-      xsum[i] = s;
-    }
+    for (int64_t i = 0; i < m * nb; ++i) xsum[i] = group_sum(xb + i * 32);
   const D dec;
   auto* o = out.data_ptr<c10::BFloat16>();
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
@@ -486,11 +489,7 @@ void pair_matmul(const at::Tensor& x, const uint8_t* w, int64_t row_bytes, int64
       uint16_t* dst = xp.data() + i * kp + (blk / 2) * 64 + (blk % 2) * 16;
       std::memcpy(dst, src, 32);
       std::memcpy(dst + 32, src + 16, 32);
-      if constexpr (D::kHead == 4) {
-        float s = 0.f;
-        for (int j = 0; j < 32; ++j) s += static_cast<float>(c10::BFloat16(src[j], c10::BFloat16::from_bits()));
-        xs[(i * pairs + blk / 2) * 4 + (blk % 2) * 2 + 1] = s;
-      }
+      if constexpr (D::kHead == 4) xs[(i * pairs + blk / 2) * 4 + (blk % 2) * 2 + 1] = group_sum(src);
     }
   const D dec;
   auto* o = out.data_ptr<c10::BFloat16>();
