@@ -24,10 +24,10 @@ sys.path.insert(0, str(HERE))
 
 
 def run_engine(python: str, engine: str, dtype: str, mode: str, concurrency: int, prompts_file: str,
-               model_dir: str, gguf: str, output_len: int) -> dict:
+               model_dir: str, gguf: str, output_len: int, extra: list[str] = ()) -> dict:
     cmd = [python, str(HERE / "engines.py"), "--engine", engine, "--dtype", dtype, "--mode", mode,
            "--concurrency", str(concurrency), "--prompts", prompts_file, "--model-dir", model_dir,
-           "--gguf", gguf, "--output-len", str(output_len)]
+           "--gguf", gguf, "--output-len", str(output_len), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

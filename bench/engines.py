@@ -5,8 +5,10 @@
     python bench/engines.py --engine resin-gguf --dtype bfloat16 --mode single --prompts p.json  # packed Q4_1
 
 Modes: `batch` submits the first --concurrency prompts at once and reports output tokens/s over the whole
-generation (prefill included); `single` reports batch-1 decode tokens/s as 63 / (time(64 tokens) - time(1 token))
-on the first prompt, the same method for every engine (vLLM's offline API does not stream). Prints one line
+generation (prefill included); `single` reports batch-1 decode tokens/s as (N - 1) / (time(N tokens) - time(1
+token)), N = --output-len, on the first prompt, the same method for every engine (vLLM's offline API does not
+stream), and prefill tokens/s as its length / time(1 token) (longctx.py runs it with --no-prefix-caching, so each
+run prefills). Prints one line
 `RESULT {json}` with the generated tokens, so compare.py can check agreement between engines.
 """
 from __future__ import annotations
@@ -30,7 +32,8 @@ def run_resin(args, prompts, gguf: bool = False):
 
     model = None if gguf else args.model_dir  # None: the built-in model, read from its GGUF
     llm = LLM(model, dtype=args.dtype, kv_cache_memory="1GiB", max_num_seqs=256,
-              quantization="auto" if gguf else "none")
+              quantization="auto" if gguf else "none", max_model_len=args.max_model_len,
+              enable_prefix_caching=not args.no_prefix_caching)
 
     def gen(ps, n):
         outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
@@ -62,7 +65,8 @@ def run_hf(args, prompts):
 def run_llamacpp(args, prompts):
     from llama_cpp import Llama
 
-    llm = Llama(model_path=args.gguf, n_ctx=2048, n_threads=args.threads, n_batch=512, verbose=False)
+    llm = Llama(model_path=args.gguf, n_ctx=args.max_model_len or 2048, n_threads=args.threads, n_batch=512,
+                verbose=False)
 
     def gen(ps, n):  # the Python binding generates one sequence at a time
         outs = []
@@ -91,7 +95,8 @@ def run_vllm(args, prompts):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, enforce_eager=False)
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=args.max_model_len or 2048, enforce_eager=False,
+              enable_prefix_caching=not args.no_prefix_caching)
 
     def gen(ps, n):
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -115,11 +120,13 @@ def main() -> None:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--gguf", default=None)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (engine default)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="every run prefills its whole prompt")
     args = ap.parse_args()
     with open(args.prompts) as f:
         prompts = json.load(f)
     gen = RUNNERS[args.engine](args, prompts)
-    gen(prompts[:1], 2)  # warm-up (lazy init, first-call compilation)
+    gen([prompts[0][:256]], 2)  # warm-up (lazy init, first-call compilation), short: prompts may be 8k long
     if args.mode == "batch":
         batch = prompts[:args.concurrency]
         start = time.perf_counter()
@@ -132,7 +139,8 @@ def main() -> None:
         p = prompts[:1]
         one = min(_timed(lambda: gen(p, 1)) for _ in range(2))
         full = _timed(lambda: gen(p, args.output_len))
-        result = {"seconds": full, "decode_tok_s": (args.output_len - 1) / max(full - one, 1e-9)}
+        result = {"seconds": full, "decode_tok_s": (args.output_len - 1) / max(full - one, 1e-9),
+                  "prompt_len": len(p[0]), "prefill_tok_s": len(p[0]) / one}
     result.update(engine=args.engine, dtype=args.dtype, mode=args.mode, concurrency=args.concurrency,
                   threads=args.threads, peer_config=getattr(args, "peer_config", {}))
     print("RESULT " + json.dumps(result))

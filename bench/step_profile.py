@@ -3,9 +3,10 @@ planning, sampling, detokenising), for steady batches of decoding sequences.
 
     python bench/step_profile.py --batch-sizes 1,8,32,64 --steps 30
 
-Each batch size gets its own engine: N requests with 64-token prompts are prefilled, then --steps decode steps
-are timed. The forward is timed by wrapping the model's forward and compute_logits (the CPU runs them
-synchronously). Target (DESIGN.md): overhead <= 10% of the step at batch 32.
+Each batch size gets its own engine: N requests with --prompt-len-token prompts (64 by default; 8000 for a
+long-context step) are prefilled, then --steps decode steps are timed. The forward is timed by wrapping the
+model's forward and compute_logits (the CPU runs them synchronously). Target (DESIGN.md): overhead <= 10% of the
+step at batch 32.
 
 --per-op also times every HAL op's provider calls (and the attention backend's per-layer forward and per-step
 plan) during those steps: where the forward's time goes, op by op. The timers add a little to each call.
@@ -24,7 +25,7 @@ from resin.hal import registry
 from timers import Stopwatch
 
 
-def profile(llm: LLM, batch: int, steps: int, per_op: bool = False) -> dict:
+def profile(llm: LLM, batch: int, steps: int, per_op: bool = False, prompt_len: int = 64) -> dict:
     engine = llm.engine
     model = engine.runner.model
     spent = Stopwatch()
@@ -44,7 +45,7 @@ def profile(llm: LLM, batch: int, steps: int, per_op: bool = False) -> dict:
     model.forward, model.compute_logits = spent.wrap(forward), spent.wrap(logits)
     try:
         for i in range(batch):
-            engine.add_request(f"p{batch}-{i}", [100 + (i * 7 + j) % 5000 for j in range(64)],
+            engine.add_request(f"p{batch}-{i}", [100 + (i * 7 + j) % 5000 for j in range(prompt_len)],
                                SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
                 or engine.scheduler.waiting:
@@ -83,11 +84,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--batch-sizes", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prompt-len", type=int, default=64, help="tokens of context each sequence decodes after")
     ap.add_argument("--out", default="bench/results/step_profile.json")
     ap.add_argument("--per-op", action="store_true", help="also time each HAL op (provider calls) per step")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="1GiB")
-    rows = [profile(llm, int(b), args.steps, args.per_op) for b in args.batch_sizes.split(",")]
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="1GiB",
+              max_model_len=max(args.prompt_len + args.steps + 16, 2048))
+    rows = [profile(llm, int(b), args.steps, args.per_op, args.prompt_len) for b in args.batch_sizes.split(",")]
     print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'overhead ms':>13}{'overhead':>10}")
     for r in rows:
         print(f"{r['batch']:>6}{r['step_ms']:>10.2f}{r['forward_ms']:>12.2f}{r['overhead_ms']:>13.2f}"
