@@ -67,3 +67,12 @@ def test_cpu_rotary_is_bit_equal_to_native(dtype, tokens, adjacent):
     assert got[0].shape == q.shape and got[1].shape == k.shape
     assert rotary.supports_args(pos, q, k, cache, d, is_neox=False) is not None
     assert rotary.supports_args(pos, q, k, hal.rope_cos_sin_cache(32, 500, 10000.0, None), d) is not None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])
+@pytest.mark.parametrize("shapes", [[(700, 200)], [(300, 299)], [(1000, 1), (640, 128)]])
+def test_prefill_chunk_after_a_prefix_matches_native(dtype, tol, shapes):
+    """A prefill chunk after a long prefix runs as two flash calls (the prefix unmasked, the chunk causal) merged by
+    their log-sum-exps: a 1-token prefix, a chunk 4x shorter than its prefix, beside a decode row."""
+    layer = hal.AttentionLayer(9, 3, 64, scale=64 ** -0.5)
+    assert head_major_vs_native(CpuAttention, layer, shapes, dtype, block_size=16, num_blocks=128) <= tol

@@ -23,6 +23,9 @@ from resin.backends.cpu.kernels import extension
 from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata
 
 
+# torch's CPU flash-attention kernel (what SDPA runs without a mask), called directly because it also returns each
+# query row's log-sum-exp, which merging two key ranges needs; it takes grouped KV heads as they are.
+_flash_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FP32_DECODE_ROWS = 12  # KV heads x decode sequences up to which decode attention runs in fp32
 
 
@@ -154,6 +157,17 @@ class CpuAttention(AttentionBackend):
         if p.q_len == p.seq_len and window is None:
             out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=layer.scale,
                                                  enable_gqa=hk != h)
+        elif window is None:
+            # A chunk after a prefix: the prefix's keys unmasked and the chunk's own keys causal, each a flash call
+            # (no mask to build or apply: an 8k-token prefill's last 2048-row chunk 115 -> 81 ms a layer), merged
+            # by their log-sum-exps in fp32.
+            start = p.seq_len - p.q_len
+            o1, lse1 = _flash_with_lse(qh, keys[:, :, :start], values[:, :, :start], scale=layer.scale)
+            o2, lse2 = _flash_with_lse(qh, keys[:, :, start:], values[:, :, start:], is_causal=True,
+                                       scale=layer.scale)
+            top = torch.maximum(lse1, lse2)
+            w1, w2 = (lse1 - top).exp_().unsqueeze(-1), (lse2 - top).exp_().unsqueeze(-1)
+            out = ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
         else:
             q_pos = torch.arange(p.seq_len - p.q_len, p.seq_len, device=q.device).unsqueeze(1)
             key_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)
