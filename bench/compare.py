@@ -147,19 +147,16 @@ def plot(sweep: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from plots import finish_axes, save
+
     fig, ax = plt.subplots(figsize=(7, 5))
     for key, points in sweep.items():
         ax.plot([p["total_tok_s"] for p in points], [p["per_user_tok_s"] for p in points], marker="o", label=key)
         for p in points:
             ax.annotate(str(p["concurrency"]), (p["total_tok_s"], p["per_user_tok_s"]), fontsize=7)
-    ax.set_xlabel("total output tokens/s")
-    ax.set_ylabel("output tokens/s per user")
-    ax.set_title("Throughput vs interactivity, SmolLM2-135M, 2-core CPU (labels: concurrency)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    finish_axes(ax, "total output tokens/s", "output tokens/s per user",
+                "Throughput vs interactivity, SmolLM2-135M, 2-core CPU (labels: concurrency)")
+    save(fig, path)
 
 
 if __name__ == "__main__":

@@ -100,19 +100,15 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from plots import finish_axes, save
+
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, key, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "batch-1 decode")):
         for engine in sorted({r["engine"] for r in rows}):
             points = sorted((r["length"], r[key]) for r in rows if r["engine"] == engine)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=engine)
-        ax.set_xlabel("prompt length (tokens)")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{title}, SmolLM2-135M, 2-core CPU")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+        finish_axes(ax, "prompt length (tokens)", "tokens/s", f"{title}, SmolLM2-135M, 2-core CPU")
+    save(fig, path)
 
 
 if __name__ == "__main__":
