@@ -38,6 +38,16 @@ esac
 "$PY" bench/gpu_kernels.py --out "$OUT/gpu-kernels.json" 2>&1 | tee "$OUT/gpu-kernels.txt"
 bench_rc=${PIPESTATUS[0]}
 
+# tensor parallelism over NCCL/RCCL where there is more than one GPU: TP=2 against TP=1, the server, a dead rank
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -gt 1 ]; then
+    "$PY" -m pytest -q -rs -m distributed tests/test_tensor_parallel.py --junitxml="$OUT/tp-tests.xml" 2>&1 \
+        | tee "$OUT/tp-tests.txt"
+    tp_rc=${PIPESTATUS[0]}
+else
+    echo "one GPU: tensor parallelism (TP=2) needs two" | tee "$OUT/tp-tests.txt"; tp_rc=0
+fi
+
 { echo "gpu tests: exit $tests_rc ($(tail -1 "$OUT/gpu-tests.txt"))"; echo "cross-compile ($ARCH): exit $compile_rc";
-  echo "kernel bench: exit $bench_rc"; } | tee "$OUT/summary.txt"
-exit $(( tests_rc != 0 || compile_rc != 0 || bench_rc != 0 ))
+  echo "kernel bench: exit $bench_rc"; echo "tensor parallel ($GPUS GPUs): exit $tp_rc"; } | tee "$OUT/summary.txt"
+exit $(( tests_rc != 0 || compile_rc != 0 || bench_rc != 0 || tp_rc != 0 ))

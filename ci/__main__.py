@@ -33,11 +33,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     from resin.hal import detect_kind
 
     matrix = load_matrix()
-    cells = matrix.column(args.vendor)
+    runner = args.runner or matrix.vendors[args.vendor]["runners"][0]
+    if runner not in matrix.runner_labels(args.vendor):
+        raise SystemExit(f"vendor {args.vendor} has no runner {runner!r}; its runners: "
+                         f"{', '.join(matrix.runner_labels(args.vendor))}")
+    cells = matrix.column(args.vendor, runner)
     if args.groups:
         wanted = set(args.groups.split(","))
         cells = [c for c in cells if c.group in wanted]
-    runner = args.runner or matrix.vendors[args.vendor]["runners"][0]
     present = detect_kind()
     rows = [(c.group, *run_cell(c, present)) for c in cells]
     print(f"\nvendor {args.vendor}, runner {runner}, this machine: {present}")

@@ -29,10 +29,15 @@ class Matrix:
     vendors: dict[str, dict]
     cells: list[Cell]
 
-    def column(self, vendor: str) -> list[Cell]:
+    def column(self, vendor: str, runner: str | None = None) -> list[Cell]:
+        """The vendor's cells; with a runner label, those that run there (multi-GPU groups on multi-GPU runners)."""
         if vendor not in self.vendors:
             raise ValueError(f"unknown vendor {vendor!r}; the matrix has: {', '.join(self.vendors)}")
-        return [c for c in self.cells if c.vendor == vendor]
+        return [c for c in self.cells if c.vendor == vendor and (runner is None or runner in c.runners)]
+
+    def runner_labels(self, vendor: str) -> list[str]:
+        spec = self.vendors[vendor]
+        return [*spec["runners"], *spec.get("multi_gpu_runners", [])]
 
 
 def load_matrix(path: Path = MATRIX_FILE) -> Matrix:
@@ -46,6 +51,10 @@ def load_matrix(path: Path = MATRIX_FILE) -> Matrix:
                 continue
             if bool(g.get("markers")) == bool(g.get("command")):
                 raise ValueError(f"group {group!r} needs exactly one of markers / command")
-            cells.append(Cell(vendor, group, tuple(v["runners"]), v.get("requires"), int(g["budget_minutes"]),
+            multi = g.get("multi_gpu") and v.get("requires") is not None
+            if multi and not v.get("multi_gpu_runners"):
+                raise ValueError(f"group {group!r} needs several GPUs but vendor {vendor!r} has no multi_gpu_runners")
+            runners = tuple(v["multi_gpu_runners"] if multi else v["runners"])
+            cells.append(Cell(vendor, group, runners, v.get("requires"), int(g["budget_minutes"]),
                               g.get("markers"), g.get("command"), {k: str(x) for k, x in (g.get("env") or {}).items()}))
     return Matrix(data["vendors"], cells)

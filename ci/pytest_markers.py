@@ -10,6 +10,7 @@ GROUP_MARKERS = {
     "kernels": "kernel providers against the native op",
     "compiled": "every Triton kernel compiled ahead of time for the GPU targets (no GPU needed)",
     "e2e": "whole processes: the server, the command line",
+    "distributed": "several ranks over torch.distributed: tensor and expert parallelism",
 }
 HARDWARE_MARKERS = {
     "requires_cuda": "needs an NVIDIA GPU (skipped elsewhere, with the reason printed)",

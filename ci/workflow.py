@@ -13,9 +13,8 @@ def render(matrix: Matrix | None = None) -> str:
     matrix = matrix or load_matrix()
     lines = [HEADER.rstrip("\n"), "name: ci", "on:", "  push:", "  pull_request:", "jobs:"]
     for vendor, spec in matrix.vendors.items():
-        cells = matrix.column(vendor)
-        budget = sum(c.budget_minutes for c in cells)
-        for label in spec["runners"]:
+        for label in matrix.runner_labels(vendor):
+            budget = sum(c.budget_minutes for c in matrix.column(vendor, label))
             runs_on = "ubuntu-latest" if label == "cpu" else f"[self-hosted, {label}]"
             lines += [
                 f"  {vendor}-{label}:",

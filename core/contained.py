@@ -9,6 +9,8 @@ a clean step would have given them (unseeded rows draw fresh noise: equally vali
 
 A fault of the device itself (a CUDA/HIP error that poisons the context) is not contained: every later step would
 fail the same way, so it is raised, the engine thread dies, and the server exits for its supervisor to restart it.
+Under tensor parallelism a failed forward is raised too: the ranks may have failed at different points of the step,
+and a retry would pair one rank's collectives with another's.
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def execute_contained(runner: ModelRunner, batch: ScheduledBatch, failed: dict[s
     try:
         return runner.execute(batch)
     except Exception as e:  # noqa: BLE001
-        if not device_healthy(runner.device):
-            raise
+        if runner.channel is not None or not device_healthy(runner.device):
+            raise  # tensor parallelism: the other ranks may have stopped elsewhere in the step; no retry in step
         if len(batch) == 1:
             log.exception("model step failed")
             failed.setdefault(batch.requests[0].parent_id, f"{type(e).__name__}: {e}")

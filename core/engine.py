@@ -28,6 +28,7 @@ from resin.core.request_group import RequestGroup
 from resin.core.sampler import Sampler
 from resin.core.sampling_params import SamplingParams
 from resin.core.scheduler import Scheduler
+from resin.core.step_channel import Command, StepChannel
 from resin.core.step_outputs import logprobs_dict, prompt_logprobs_chunk
 from resin.core.structured_output import GrammarCompiler
 
@@ -50,7 +51,9 @@ class StepStats:
 class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig, vocab_size: int, dtype: torch.dtype,
                  device: torch.device, num_blocks: int, tokenizer: Any = None,
-                 eos_token_ids: frozenset[int] = frozenset(), logits_observer: LogitsObserver | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), logits_observer: LogitsObserver | None = None,
+                 channel: StepChannel | None = None):
+        """channel: tensor parallelism's rank 0 sends each step to the other ranks through it."""
         self.config = config
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -77,7 +80,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.layout, num_blocks, config.max_num_seqs, config.max_model_len, dtype,
                                   device,
-                                  graph_batch=min(config.max_num_seqs, config.max_graph_batch) if config.graphs else 0)
+                                  graph_batch=min(config.max_num_seqs, config.max_graph_batch) if config.graphs else 0,
+                                  channel=channel)
         self.sampler = Sampler(vocab_size, torch.Generator(device=device).manual_seed(config.seed))
         self.logits_observer = logits_observer
         self.groups: dict[str, RequestGroup] = {}
@@ -336,6 +340,12 @@ class LLMEngine:
         self.runner.release(seq)
         if group.detoks[seq.index] is not None:
             group.detoks[seq.index].finish()
+
+    def close(self) -> None:
+        """Tensor parallelism: tell the other ranks to leave (they exit once they read it)."""
+        if self.runner.channel is not None:
+            self.runner.channel.send(Command.STOP)
+            self.runner.channel = None
 
     # ---- facts ----------------------------------------------------------------------------------------------
     @property

@@ -19,6 +19,7 @@ from resin.core.graph_runner import DecodeGraphs
 from resin.core.kv_cache_manager import NULL_BLOCK
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
+from resin.core.step_channel import Command, StepChannel, StepInputs
 from resin.hal import (ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext,
                        RecurrentMetadata)
 from resin.hal.registry import GraphUnsafeError, graph_phase, graph_substitutions
@@ -88,12 +89,14 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: CausalLM, layout: CacheLayout, num_blocks: int, max_num_seqs: int,
-                 max_model_len: int, dtype: torch.dtype, device: torch.device, graph_batch: int = 0):
+                 max_model_len: int, dtype: torch.dtype, device: torch.device, graph_batch: int = 0,
+                 channel: StepChannel | None = None):
         """num_blocks pages serve every cache group (core/cache_layout.py); one more, the null page, stands for
         dropped blocks and takes the writes of graph padding rows. graph_batch > 0: capture decode graphs for
         batches up to that size. Captured steps use each op's first graph-safe provider, eager steps its first
-        provider: one that cannot be captured costs graphs nothing."""
-        self.model, self.layout = model, layout
+        provider: one that cannot be captured costs graphs nothing. channel: on tensor-parallel rank 0, where its
+        steps go to the other ranks (core/tp_worker.py runs them there)."""
+        self.model, self.layout, self.channel = model, layout, channel
         self.block_size, self.num_blocks = layout.block_size, num_blocks
         self.device = device
         self.attns = self._group_backends(model.attention_layers, dtype, device)
@@ -189,6 +192,10 @@ class ModelRunner:
     def copy_for_fork(self, pages: list[tuple[int, int]], src_slot: int | None, dst_slot: int | None) -> None:
         """A forked sequence's own copies: pages (source, destination) in every cache tensor (a page belongs to
         one group, so copying it in the others' tensors is harmless), and its parent's recurrent state."""
+        if self.channel is not None:
+            self.channel.send(Command.FORK, [torch.tensor(pages, dtype=torch.long).view(-1, 2),
+                                             torch.tensor([-1 if src_slot is None else src_slot,
+                                                           -1 if dst_slot is None else dst_slot])])
         if pages:
             src, dst = (torch.tensor(side, dtype=torch.long, device=self.device) for side in zip(*pages))
             for cache in self.cache_slots:
@@ -197,8 +204,8 @@ class ModelRunner:
             for state in self._state_tensors:
                 state[dst_slot].copy_(state[src_slot])
 
-    @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's inputs on the host, from the scheduled batch (rank 0 only: it alone has the requests)."""
         reqs, counts = batch.requests, batch.num_new_tokens
         starts = [r.num_computed_tokens for r in reqs]
         flat: list[int] = []
@@ -212,39 +219,56 @@ class ModelRunner:
         positions = torch.tensor(starts)[seq_of_token] + torch.arange(num_tokens) - qsl[:-1][seq_of_token]
         rows = torch.tensor([self.block_tables.row_of(r) for r in reqs])
         seq_lens = [s + n for s, n in zip(starts, counts)]
-        max_seq_len = max(seq_lens)
         bs = self.block_size
-        block_tables = self.block_tables.table[:, rows, :-(-max_seq_len // bs)]  # (groups, B, blocks)
+        block_tables = self.block_tables.table[:, rows, :-(-max(seq_lens) // bs)]  # (groups, B, blocks)
         slots = block_tables[:, seq_of_token, positions // bs].long() * bs + positions % bs  # (groups, T)
-
-        dev = self.device
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        state_slots = None
+        empty = torch.zeros(0, dtype=torch.int32)
+        state_slots = fresh = empty
         if self.states:
             state_slots = torch.tensor([r.state_slot for r in reqs], dtype=torch.int32)
-            fresh = [r.state_slot for r, s in zip(reqs, starts) if s == 0]
-            if fresh:  # a reused slot holds its last owner's state: a sequence that starts here starts from zeros
-                self._zero_states(torch.tensor(fresh, dtype=torch.long, device=dev))
-        if self.graphs is not None and num_tokens == len(reqs) and self.graphs.bucket_for(num_tokens):
-            hidden = self.graphs.run(torch.tensor(flat), positions, seq_lens_t, block_tables, slots, max_seq_len,
-                                     state_slots)
-        else:
-            qsl_dev, seq_lens_dev = qsl.to(dev), seq_lens_t.to(dev)
-            if self.states:
-                self.ctx.recurrent = RecurrentMetadata(qsl_dev, state_slots.to(dev),
-                                                       torch.tensor([s > 0 for s in starts], device=dev),
-                                                       decode_only=max(counts) == 1)
-            for attn, tables, group_slots in zip(self.attns, block_tables, slots):
-                attn.plan(AttentionMetadata(
-                    query_start_loc=qsl_dev, seq_lens=seq_lens_dev, block_tables=tables.to(dev),
-                    slot_mapping=group_slots.to(dev), max_query_len=max(counts), max_seq_len=max_seq_len,
-                    query_start_loc_host=qsl))
-            hidden = self.model.forward(torch.tensor(flat).to(dev), positions.to(dev), self.ctx)
+            fresh = torch.tensor([r.state_slot for r, s in zip(reqs, starts) if s == 0], dtype=torch.int32)
+        sampled = [int(qsl[i + 1]) - 1 for i, (r, s, n) in enumerate(zip(reqs, starts, counts))
+                   if s + n == r.num_tokens]
+        return StepInputs(torch.tensor(flat), positions, qsl, torch.tensor(seq_lens, dtype=torch.int32),
+                          block_tables, slots, state_slots, fresh, torch.tensor([s > 0 for s in starts]),
+                          torch.tensor(sampled, dtype=torch.long))
 
-        sample_reqs, indices = [], []
-        out = RunnerOutput(sample_reqs, None)
-        q0 = qsl.tolist()
-        for i, (r, s, n) in enumerate(zip(reqs, starts, counts)):
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over one step's tokens -> hidden states (T, hidden). Every tensor-parallel rank runs this with
+        the same inputs."""
+        dev, num_tokens = self.device, inputs.num_tokens
+        num_seqs = inputs.seq_lens.shape[0]
+        state_slots = inputs.state_slots if self.states else None
+        if inputs.fresh_slots.numel():  # a reused slot holds its last owner's state: a new sequence starts from 0
+            self._zero_states(inputs.fresh_slots.long().to(dev))
+        if self.graphs is not None and num_tokens == num_seqs and self.graphs.bucket_for(num_tokens):
+            return self.graphs.run(inputs.input_ids, inputs.positions, inputs.seq_lens, inputs.block_tables,
+                                   inputs.slot_mapping, inputs.max_seq_len, state_slots)
+        qsl = inputs.query_start_loc
+        qsl_dev, seq_lens_dev = qsl.to(dev), inputs.seq_lens.to(dev)
+        max_query_len = inputs.max_query_len
+        if self.states:
+            self.ctx.recurrent = RecurrentMetadata(qsl_dev, state_slots.to(dev), inputs.continuing.to(dev),
+                                                   decode_only=max_query_len == 1)
+        for attn, tables, group_slots in zip(self.attns, inputs.block_tables, inputs.slot_mapping):
+            attn.plan(AttentionMetadata(
+                query_start_loc=qsl_dev, seq_lens=seq_lens_dev, block_tables=tables.to(dev),
+                slot_mapping=group_slots.to(dev), max_query_len=max_query_len, max_seq_len=inputs.max_seq_len,
+                query_start_loc_host=qsl))
+        return self.model.forward(inputs.input_ids.to(dev), inputs.positions.to(dev), self.ctx)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
+        inputs = self.prepare(batch)
+        if self.channel is not None:
+            self.channel.send(Command.STEP, inputs.tensors())
+        hidden = self.forward(inputs)
+        out = RunnerOutput([], None)
+        q0 = inputs.query_start_loc.tolist()
+        dev = self.device
+        for i, (r, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            s = r.num_computed_tokens
             if r.wants_prompt_logprobs:
                 first = max(s, len(r.prompt_logprobs) - 1)  # the first position not reported yet
                 end = min(s + n, r.num_prompt_tokens - 1)
@@ -252,12 +276,18 @@ class ModelRunner:
                     rows_t = torch.arange(q0[i] + first - s, q0[i] + end - s, device=dev)
                     out.prompt_chunks.append((r, first, hidden[rows_t]))
             if s + n == r.num_tokens:
-                sample_reqs.append(r)
-                indices.append(q0[i + 1] - 1)
-        if indices:
-            out.sample_logits = self.model.compute_logits(hidden[torch.tensor(indices, device=dev)])
+                out.sample_requests.append(r)
+        if inputs.logits_indices.numel():
+            out.sample_logits = self.model.compute_logits(hidden[inputs.logits_indices.to(dev)])
         return out
+
+    def step_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> None:
+        """A tensor-parallel rank's side of execute's logits (the vocabulary-parallel head gathers them)."""
+        if inputs.logits_indices.numel():
+            self.model.compute_logits(hidden[inputs.logits_indices.to(self.device)])
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.channel is not None:
+            self.channel.send(Command.LOGITS, [hidden])
         return self.model.compute_logits(hidden)

@@ -47,7 +47,7 @@ def _record_calls(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
 
     def record(op: Op, args: tuple, kwargs: dict):
         key, shapes = _signature(args, kwargs), seen.setdefault(op.name, set())
-        if op.name != "capture_graph" and key not in shapes and len(shapes) < _SIGNATURES_PER_OP:
+        if op.self_checked and key not in shapes and len(shapes) < _SIGNATURES_PER_OP:
             shapes.add(key)
             calls.setdefault(op, []).append(copy_call(args, kwargs))
         return op.native(*args, **kwargs)

@@ -3,6 +3,7 @@ backend selection and the attention-backend contract. Models call these ops; bac
 from resin.hal.attention import (ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext,
                                  NativeAttention,
                                  write_kv)
+from resin.hal.distributed import ALL_GATHER, ALL_REDUCE, ParallelGroup, parallel, set_parallel
 from resin.hal.fp8 import FP8_LINEAR, e4m3fn_to_e4m3fnuz, quantize_fp8
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import (ARGMAX, EMBEDDING, FUSED_ADD_RMS_NORM, GELU_AND_MUL, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL)
@@ -18,6 +19,7 @@ from resin.hal.selection import (BACKENDS, BackendSpec, OpChoice, Selection, Sel
 __all__ = [
     "ATTENTION", "AttentionBackend", "AttentionLayer", "AttentionMetadata", "ForwardContext", "NativeAttention",
     "write_kv",
+    "ALL_GATHER", "ALL_REDUCE", "ParallelGroup", "parallel", "set_parallel",
     "FP8_LINEAR", "e4m3fn_to_e4m3fnuz", "quantize_fp8", "FUSED_MOE", "MOE_ROUTE",
     "CAUSAL_CONV1D", "CAUSAL_CONV1D_UPDATE", "GATED_DELTA_RULE", "RecurrentLayer", "RecurrentMetadata",
     "ARGMAX", "EMBEDDING", "FUSED_ADD_RMS_NORM", "GELU_AND_MUL", "LINEAR", "RMS_NORM", "ROTARY", "SILU_AND_MUL",

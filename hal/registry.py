@@ -44,12 +44,13 @@ class Op:
     tolerance: how far a provider may be from native in the startup self-check (dtype name -> (rtol, atol));
     check_inputs: turns a call recorded from the model into the inputs the self-check runs (default: the same
     arguments, non-parameter tensors copied), for ops whose real inputs are too large to copy or that a provider
-    may rewrite in place."""
+    may rewrite in place; self_checked=False: the self-check leaves it out (collectives: no single-rank answer)."""
 
     def __init__(self, name: str, native: Callable[..., Any], doc: str = "", native_graph_safe: bool = True,
                  tolerance: dict[str, tuple[float, float]] | None = None,
-                 check_inputs: Callable[..., tuple[tuple, dict]] | None = None):
+                 check_inputs: Callable[..., tuple[tuple, dict]] | None = None, self_checked: bool = True):
         self.name = name
+        self.self_checked = self_checked  # False: the startup self-check runs it natively and never replays it
         self.native = native
         self.__doc__ = doc or native.__doc__
         self.providers: dict[str, Provider] = {"native": Provider("native", native, graph_safe=native_graph_safe)}

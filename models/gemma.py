@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from resin import hal
-from resin.models.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, Rotary
+from resin.models.layers import Embedding, GatedMLP, LMHead, QKVLinear, RMSNorm, Rotary, RowLinear
 
 # Gemma stores each RMSNorm weight as w with scale (1 + w); Resin loads 1 + w once so the norm is the plain op.
 # (In bf16 that rounds 1 + w to bf16, where Hugging Face multiplies by it in fp32: a last-bit difference.)
@@ -76,10 +76,11 @@ class GemmaAttention(nn.Module):
     def __init__(self, cfg: GemmaConfig, layer_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
         self.layer_idx = layer_idx
-        self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.h * self.d, self.hk * self.d, self.hk * self.d],
-                                     ["q", "k", "v"], bias=cfg.attention_bias, dtype=dtype)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
+        self.d = cfg.head_dim
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.d, cfg.attention_bias, dtype)
+        self.h, self.hk = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's heads
+        self.o_proj = RowLinear(cfg.num_heads * self.d, cfg.hidden_size, cfg.attention_bias, dtype,
+                                self.qkv_proj.o_part(self.d))
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, weight_offset=_NORM_OFFSET)
@@ -90,7 +91,7 @@ class GemmaAttention(nn.Module):
                                        logits_soft_cap=cfg.attn_soft_cap)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.hk * self.d, self.hk * self.d], dim=-1)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.h, self.d)).reshape(q.shape)
             k = self.k_norm(k.reshape(-1, self.hk, self.d)).reshape(k.shape)
@@ -143,6 +144,7 @@ class GemmaModel(nn.Module):
 
 
 class Gemma2ForCausalLM(nn.Module):
+    tensor_parallel = True  # every weight is split over tensor-parallel ranks (models/layers.py)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     qk_norm = False
@@ -155,7 +157,7 @@ class Gemma2ForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = GemmaModel(cfg, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         self.attention_layers = [layer.self_attn.spec for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:

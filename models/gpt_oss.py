@@ -93,6 +93,7 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
+    tensor_parallel = False  # its experts (biased, interleaved gate/up) are not split over ranks yet
     decoder_layer = GptOssDecoderLayer
     gguf_permutes_qk = False
     reads_mxfp4 = True  # the loader leaves quant_method mxfp4 to this family's experts

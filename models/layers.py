@@ -2,15 +2,29 @@
 
 Parameters that Hugging Face stores as several tensors but Resin computes as one GEMM (q/k/v, gate/up) carry a
 `weight_loader(param, tensor, shard)` that copies each checkpoint tensor into its rows.
+
+Under tensor parallelism (hal/distributed.py) each rank holds a slice of the weights: column-split projections
+(q/k/v, gate/up) hold some output rows, row-split ones (o_proj, down_proj) the matching input columns and sum their
+parts with one all-reduce; the embedding and lm_head split the vocabulary. A loader marked `reads_slices` takes its
+rows or columns with `take`, which reads only those bytes from a checkpoint file (loader.CheckpointSlice). With one
+rank every slice is the whole tensor.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from resin import hal
+from resin.hal.distributed import parallel, rank_range, split_range
+
+
+def take(tensor: Any, dim: int, start: int, size: int) -> torch.Tensor:
+    """[start, start + size) of a checkpoint tensor along dim: a view of a loaded tensor, or just those bytes read
+    from the file for a loader.CheckpointSlice."""
+    return tensor.narrow(dim, start, size)
 
 
 def default_loader(param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> None:
@@ -26,7 +40,15 @@ def param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return p
 
 
+def sliced_loader(p: nn.Parameter, dim: int, part: tuple[int, int]) -> None:
+    """p holds rows (dim 0) or columns (dim 1) [start, start + size) of its checkpoint tensor."""
+    p.weight_loader = lambda param, tensor, shard=None: default_loader(param, take(tensor, dim, *part))
+    p.reads_slices = True
+
+
 class Linear(nn.Module):
+    """A projection every rank holds whole (routers, small heads)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.weight = param(out_features, in_features, dtype=dtype)
@@ -37,33 +59,103 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Several projections of the same input stacked into one weight: shard i owns rows of size out_sizes[i]."""
+    """Column-parallel: one or several projections of the same input stacked into one weight, each split over the
+    ranks by output rows. parts[i] = (start, size): the rows of projection i this rank holds (default: an even
+    split); shard i loads into rows offsets[shards[i]] of the local weight. One projection: shards=[None]."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], shards: list[str], bias: bool = False,
-                 dtype: torch.dtype = torch.float32):
-        super().__init__(in_features, sum(out_sizes), bias, dtype)
-        self.offsets: dict[str, tuple[int, int]] = {}
+    def __init__(self, in_features: int, out_sizes: list[int], shards: list[Any], bias: bool = False,
+                 dtype: torch.dtype = torch.float32, parts: list[tuple[int, int]] | None = None):
+        parts = parts or [rank_range(size) for size in out_sizes]
+        super().__init__(in_features, sum(size for _, size in parts), bias, dtype)
+        self.parts = dict(zip(shards, parts))
+        self.offsets: dict[Any, tuple[int, int]] = {}
         start = 0
-        for name, size in zip(shards, out_sizes):
+        for name, (_, size) in zip(shards, parts):
             self.offsets[name] = (start, size)
             start += size
         for p in (self.weight, self.bias):
             if p is not None:
                 p.weight_loader = self._load_shard
-                p.shards = list(shards)
+                p.reads_slices = True
+                if shards != [None]:
+                    p.shards = list(shards)
 
-    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, shard: str) -> None:
+    def _load_shard(self, param: nn.Parameter, tensor: Any, shard: Any = None) -> None:
         start, size = self.offsets[shard]
-        default_loader(param.data.narrow(0, start, size), tensor)
+        default_loader(param.data.narrow(0, start, size), take(tensor, 0, *self.parts[shard]))
+
+
+class RowLinear(Linear):
+    """Row-parallel: the projection after a column-split one (o_proj, down_proj). Each rank holds input columns
+    part = (start, size), multiplies its own activations and one all-reduce sums the parts; rank 0 adds the bias."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32,
+                 part: tuple[int, int] | None = None):
+        part = part or rank_range(in_features)
+        super().__init__(part[1], out_features, bias, dtype)
+        sliced_loader(self.weight, 1, part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = parallel()
+        if g.world == 1:
+            return hal.LINEAR(x, self.weight, self.bias)
+        return hal.ALL_REDUCE(hal.LINEAR(x, self.weight, self.bias if g.rank == 0 else None))
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads this rank computes: query heads [q_start, q_start + q_count) and the KV heads they
+    read, [kv_start, kv_start + kv_count)."""
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int) -> HeadShard:
+    """KV heads split over the ranks with their query groups (unevenly where they do not divide: 3 KV heads on 2
+    ranks are 2 + 1); with fewer KV heads than ranks, each rank takes an equal share of query heads and keeps a copy
+    of the one KV head they read (replicated)."""
+    g = parallel()
+    group = num_heads // num_kv_heads
+    if num_kv_heads >= g.world:
+        kv_start, kv_count = split_range(num_kv_heads, g.world, g.rank)
+        return HeadShard(kv_start * group, kv_count * group, kv_start, kv_count)
+    if g.world % num_kv_heads or num_heads % g.world:
+        raise ValueError(f"tensor_parallel_size={g.world} does not fit {num_heads} query heads over {num_kv_heads} "
+                         f"KV heads: with fewer KV heads than ranks, the ranks must be a multiple of the KV heads "
+                         f"and divide the query heads; choose a size that does")
+    q_count = num_heads // g.world
+    return HeadShard(g.rank * q_count, q_count, g.rank * q_count // group, 1)
+
+
+class QKVLinear(MergedLinear):
+    """q, k and v as one column-parallel GEMM over this rank's heads (head_shard)."""
+
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32):
+        s, d = head_shard(num_heads, num_kv_heads), head_dim
+        kv = (s.kv_start * d, s.kv_count * d)
+        super().__init__(hidden, [num_heads * d, num_kv_heads * d, num_kv_heads * d], ["q", "k", "v"], bias, dtype,
+                         parts=[(s.q_start * d, s.q_count * d), kv, kv])
+        self.heads = s
+        self.num_heads, self.num_kv_heads = s.q_count, s.kv_count  # this rank's
+        self.sizes = [s.q_count * d, s.kv_count * d, s.kv_count * d]
+
+    def o_part(self, head_dim: int) -> tuple[int, int]:
+        """The input columns of the output projection that this rank's query heads feed."""
+        return self.heads.q_start * head_dim, self.heads.q_count * head_dim
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up as one GEMM: the dense MLP of every family here."""
+    """down(act(gate(x)) * up(x)) with gate and up as one GEMM: the dense MLP of every family here. Under tensor
+    parallelism each rank holds a slice of the intermediate size in both."""
 
     def __init__(self, hidden: int, inter: int, act: str, bias: bool = False, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden, [inter, inter], ["gate", "up"], bias, dtype)
-        self.down_proj = Linear(inter, hidden, bias, dtype)
+        part = rank_range(inter)
+        self.gate_up_proj = MergedLinear(hidden, [inter, inter], ["gate", "up"], bias, dtype, parts=[part, part])
+        self.down_proj = RowLinear(inter, hidden, bias, dtype, part)
         self.act = act_and_mul(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,33 +165,61 @@ class GatedMLP(nn.Module):
 class SparseMoe(nn.Module):
     """A mixture-of-experts MLP: a router picks top_k experts per token (MOE_ROUTE, softmax scoring), the experts
     run fused (FUSED_MOE). Expert weights are stacked: w13 (E, 2I, H) = [gate | up] rows, w2 (E, H, I); each
-    checkpoint tensor loads into its slice, shard ("gate" | "up", expert) or expert."""
+    checkpoint tensor loads into its slice, shard ("gate" | "up", expert) or expert.
+
+    Under tensor parallelism every rank holds every expert's slice of the intermediate size; with expert
+    parallelism, whole experts [first, first + count) and routes the others' tokens nowhere (weight 0). Either way
+    one all-reduce sums the ranks' parts."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
                  act: str = "silu", dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.top_k, self.renormalize, self.inter = top_k, renormalize, inter
+        self.top_k, self.renormalize = top_k, renormalize
         if act not in ("silu", "swish", "gelu"):
             raise ValueError(f"MoE hidden_act {act!r} is not supported; supported: silu, gelu")
         self.act = "gelu" if act == "gelu" else "silu"
+        g = parallel()
+        if g.expert_parallel:
+            self.experts, self.inter_part = split_range(num_experts, g.world, g.rank), (0, inter)
+        else:
+            self.experts, self.inter_part = (0, num_experts), rank_range(inter)
+        first, count = self.experts
+        inter_local = self.inter_part[1]
         self.gate = Linear(hidden, num_experts, dtype=dtype)
-        self.w13 = param(num_experts, 2 * inter, hidden, dtype=dtype)
+        self.w13 = param(count, 2 * inter_local, hidden, dtype=dtype)
         self.w13.weight_loader = self._load_w13
-        self.w13.shards = [(which, e) for e in range(num_experts) for which in ("gate", "up")]
-        self.w2 = param(num_experts, hidden, inter, dtype=dtype)
+        self.w13.shards = [(which, e) for e in range(first, first + count) for which in ("gate", "up")]
+        self.w2 = param(count, hidden, inter_local, dtype=dtype)
         self.w2.weight_loader = self._load_w2
-        self.w2.shards = list(range(num_experts))
+        self.w2.shards = list(range(first, first + count))
+        self.w13.reads_slices = self.w2.reads_slices = True
 
-    def _load_w13(self, param: nn.Parameter, tensor: torch.Tensor, shard: tuple[str, int]) -> None:
+    def _local(self, expert: int) -> int | None:
+        first, count = self.experts
+        return expert - first if first <= expert < first + count else None
+
+    def _load_w13(self, param: nn.Parameter, tensor: Any, shard: tuple[str, int]) -> None:
         which, expert = shard
-        default_loader(param.data[expert].narrow(0, 0 if which == "gate" else self.inter, self.inter), tensor)
+        e, size = self._local(expert), self.inter_part[1]
+        if e is not None:  # another rank's expert: never read
+            default_loader(param.data[e].narrow(0, 0 if which == "gate" else size, size),
+                           take(tensor, 0, *self.inter_part))
 
-    def _load_w2(self, param: nn.Parameter, tensor: torch.Tensor, expert: int) -> None:
-        default_loader(param.data[expert], tensor)
+    def _load_w2(self, param: nn.Parameter, tensor: Any, expert: int) -> None:
+        e = self._local(expert)
+        if e is not None:
+            default_loader(param.data[e], take(tensor, 1, *self.inter_part))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = hal.MOE_ROUTE(self.gate(x), self.top_k, "softmax", self.renormalize)
-        return hal.FUSED_MOE(x, self.w13, self.w2, weights, ids, self.act)
+        if parallel().world == 1:
+            return hal.FUSED_MOE(x, self.w13, self.w2, weights, ids, self.act)
+        first, count = self.experts
+        if count != self.gate.weight.shape[0]:
+            # other ranks' experts: routed to local expert 0 with weight 0 (computed, then weighed out)
+            mine = (ids >= first) & (ids < first + count)
+            ids, weights = torch.where(mine, ids - first, 0), torch.where(mine, weights, 0)
+        return hal.ALL_REDUCE(hal.FUSED_MOE(x, self.w13, self.w2, weights, ids, self.act))
 
 
 class RMSNorm(nn.Module):
@@ -118,17 +238,46 @@ class RMSNorm(nn.Module):
         return hal.FUSED_ADD_RMS_NORM(x, residual, self.weight, self.eps)
 
 
+def vocab_sizes(vocab: int) -> tuple[int, ...]:
+    """How many vocabulary rows each rank holds, in rank order."""
+    g = parallel()
+    return tuple(split_range(vocab, g.world, r)[1] for r in range(g.world))
+
+
 class Embedding(nn.Module):
+    """The token table, vocabulary-parallel: each rank holds rows part = (start, size), looks up the ids in its
+    range and one all-reduce assembles the rows; as a tied lm_head, each rank's logits are gathered."""
+
     def __init__(self, num_embeddings: int, dim: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = param(num_embeddings, dim, dtype=dtype)
+        self.part, self.sizes = rank_range(num_embeddings), vocab_sizes(num_embeddings)
+        self.weight = param(self.part[1], dim, dtype=dtype)
+        sliced_loader(self.weight, 0, self.part)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return hal.EMBEDDING(ids, self.weight)
+        if parallel().world == 1:
+            return hal.EMBEDDING(ids, self.weight)
+        start, size = self.part
+        mine = (ids >= start) & (ids < start + size)
+        rows = hal.EMBEDDING(torch.where(mine, ids - start, 0), self.weight)
+        return hal.ALL_REDUCE(rows * mine.unsqueeze(-1).to(rows.dtype))
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits through the table: the lm_head of a model with tied embeddings."""
-        return hal.LINEAR(hidden, self.weight)
+        return hal.ALL_GATHER(hal.LINEAR(hidden, self.weight), self.sizes)
+
+
+class LMHead(Linear):
+    """The output projection, vocabulary-parallel: each rank computes the logits of its rows, gathered in order."""
+
+    def __init__(self, hidden: int, vocab: int, dtype: torch.dtype = torch.float32):
+        part = rank_range(vocab)
+        super().__init__(hidden, part[1], dtype=dtype)
+        self.sizes = vocab_sizes(vocab)
+        sliced_loader(self.weight, 0, part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hal.ALL_GATHER(hal.LINEAR(x, self.weight), self.sizes)
 
 
 class Rotary(nn.Module):

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from resin import hal
-from resin.models.layers import Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, Rotary, SparseMoe, param
+from resin.models.layers import (Embedding, GatedMLP, LMHead, QKVLinear, RMSNorm, Rotary, RowLinear, SparseMoe,
+                                 param, sliced_loader)
 
 
 @dataclass
@@ -68,11 +69,11 @@ class Attention(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
         self.layer_idx = layer_idx
-        self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [self.h * self.d, self.hk * self.d, self.hk * self.d],
-                                     ["q", "k", "v"], bias=cfg.qkv_bias, dtype=dtype)
-        self.qkv_sizes = [self.h * self.d, self.hk * self.d, self.hk * self.d]
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias, dtype=dtype)
+        self.d = cfg.head_dim
+        self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.d, cfg.qkv_bias, dtype)
+        self.h, self.hk = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's heads
+        self.qkv_sizes = self.qkv_proj.sizes
+        self.o_proj = RowLinear(cfg.num_heads * self.d, cfg.hidden_size, cfg.o_bias, dtype, self.qkv_proj.o_part(self.d))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
@@ -81,7 +82,10 @@ class Attention(nn.Module):
         window = cfg.sliding_windows[layer_idx] if cfg.sliding_windows else None
         self.spec = hal.AttentionLayer(self.h, self.hk, self.d, scale=self.d ** -0.5, sliding_window=window,
                                        has_sinks=cfg.attention_sinks)
-        self.sinks = param(self.h, dtype=dtype) if cfg.attention_sinks else None
+        self.sinks = None
+        if cfg.attention_sinks:
+            self.sinks = param(self.h, dtype=dtype)
+            sliced_loader(self.sinks, 0, (self.qkv_proj.heads.q_start, self.h))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split_with_sizes(self.qkv_sizes, dim=-1)
@@ -134,6 +138,7 @@ class DecoderModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    tensor_parallel = True  # every weight is split over tensor-parallel ranks (models/layers.py)
     # checkpoint projection name -> (Resin's fused module, shard)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
@@ -150,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, dtype, self.decoder_layer)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         self.attention_layers = [layer.self_attn.spec for layer in self.model.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from resin.hal.distributed import parallel
 from resin.hal.fp8 import FP8_DTYPES
 from resin.models import resolve_architecture
 from resin.models.fp8 import convert_after_loading, parse_quant_config, quantize_linears
@@ -33,18 +34,37 @@ def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def _safetensors_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointSlice:
+    """A tensor still in its safetensors file: `narrow` reads only the rows or columns asked for, so a
+    tensor-parallel rank reads its own slice of each weight and never the whole model."""
+
+    def __init__(self, handle: Any, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def read(self) -> torch.Tensor:
+        return self._slice[tuple(slice(None) for _ in self.shape)]
+
+
+def _safetensors_tensors(files: list[Path], sliced: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) pairs; sliced: (name, CheckpointSlice) instead, read when a loader takes its part."""
     from safetensors import safe_open
 
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name)
+                yield name, CheckpointSlice(st, name) if sliced else st.get_tensor(name)
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]] | GgufCheckpoint,
-                                              Path | None]:
-    """(HF config dict, (name, tensor) pairs or the GGUF checkpoint to read them from, the GGUF file if any)."""
+def read_checkpoint(path: str | Path, sliced: bool = False) -> tuple[dict[str, Any], Iterator[tuple[str, Any]]
+                                                                   | GgufCheckpoint, Path | None]:
+    """(HF config dict, (name, tensor) pairs or the GGUF checkpoint to read them from, the GGUF file if any).
+    sliced: safetensors tensors come as CheckpointSlices (see load_weights)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist: give a folder with config.json and "
@@ -58,14 +78,14 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], Iterator[tuple[st
     if not files:
         ggufs = sorted(p.glob("*.gguf"))
         if len(ggufs) == 1:
-            return read_checkpoint(ggufs[0])
+            return read_checkpoint(ggufs[0], sliced)
         pickles = [f.name for f in p.iterdir() if f.suffix in (".bin", ".pt", ".pth", ".ckpt")]
         hint = (f" It has {pickles}: pickle checkpoints are never loaded (they can run code); convert them to "
                 f"safetensors." if pickles else "")
         raise FileNotFoundError(f"no *.safetensors (or single .gguf) weights in {p}.{hint}")
     if not (p / "config.json").exists():
         raise FileNotFoundError(f"{p} has weights but no config.json")
-    return json.loads((p / "config.json").read_text()), _safetensors_tensors(files), None
+    return json.loads((p / "config.json").read_text()), _safetensors_tensors(files, sliced), None
 
 
 def _param_for(model: nn.Module, name: str, packed: dict[str, tuple[str, str]]) -> tuple[str, object]:
@@ -84,7 +104,10 @@ def _param_for(model: nn.Module, name: str, packed: dict[str, tuple[str, str]]) 
     return name, None
 
 
-def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, Any]]) -> None:
+    """Each checkpoint tensor into its parameter. A CheckpointSlice goes as it is to loaders that take slices
+    (`reads_slices`, which read only their part); every other loader gets the whole tensor in the parameter's
+    dtype (fp8 and packed weights as stored)."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
@@ -97,8 +120,10 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
-        if param.dtype not in FP8_DTYPES and tensor.is_floating_point():  # fp8 and packed weights: never cast
-            tensor = tensor.to(param.dtype)
+        if isinstance(tensor, CheckpointSlice) and not getattr(param, "reads_slices", False):
+            tensor = tensor.read()
+        if isinstance(tensor, torch.Tensor) and param.dtype not in FP8_DTYPES and tensor.is_floating_point():
+            tensor = tensor.to(param.dtype)  # fp8 and packed weights: never cast
         param.weight_loader(param, tensor, shard)
         loaded.add(target if shard is None else f"{target}:{shard}")
     expected = set()
@@ -108,6 +133,18 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}")
+
+
+def check_tensor_parallel(architecture: str, cls: type, quant: Any) -> None:
+    from resin.models import MODEL_REGISTRY
+
+    if not getattr(cls, "tensor_parallel", False):
+        ready = [name for name, c in MODEL_REGISTRY.items() if getattr(c, "tensor_parallel", False)]
+        raise ValueError(f"{architecture} does not run under tensor parallelism yet (its layers are not split over "
+                         f"ranks); families that do: {', '.join(ready)}. Use tensor_parallel_size=1")
+    if quant is not None:
+        raise ValueError(f"{architecture} checkpoint is quantised ({type(quant).__name__}): quantised weights are "
+                         f"not split over tensor-parallel ranks yet; use tensor_parallel_size=1")
 
 
 QUANTIZATION = {
@@ -124,10 +161,13 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, fp8_d
     if quantization not in QUANTIZATION:
         raise ValueError(f"quantization={quantization!r} is not supported; choose one of: "
                          + "; ".join(f"{k} ({v})" for k, v in QUANTIZATION.items()))
-    config, tensors, gguf_file = read_checkpoint(path)
+    world = parallel().world
+    config, tensors, gguf_file = read_checkpoint(path, sliced=world > 1)
     architecture, cls = resolve_architecture(config)
-    model = cls(cls.parse_config(config), dtype)
     quant = parse_quant_config(config, mxfp4_reader=getattr(cls, "reads_mxfp4", False))
+    if world > 1:
+        check_tensor_parallel(architecture, cls, quant)
+    model = cls(cls.parse_config(config), dtype)
     if quant is not None:
         quantize_linears(model, quant)
     if isinstance(tensors, GgufCheckpoint):

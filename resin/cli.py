@@ -32,6 +32,11 @@ def _engine_flags(p: argparse.ArgumentParser, with_model: bool = True) -> None:
     p.add_argument("--self-check", default="on", choices=["on", "strict", "off"],
                    help="before serving, run every chosen provider against the native op on the model's shapes: "
                         "on drops a provider that disagrees (logged), strict refuses to start, off skips")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over N ranks (one process each; on GPUs one device each). Several "
+                        "machines: start the same command with torchrun on each (docs/distributed.md)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size: place whole MoE experts on ranks instead of splitting each")
 
 
 def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -42,12 +47,29 @@ def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def _worker_rank(engine_args) -> bool:
+    """Under torchrun, every process runs the same command: a rank other than 0 serves steps here and returns
+    True once rank 0 stops it."""
+    from resin.parallel import launched_by_torchrun, run_worker, start
+
+    if not launched_by_torchrun() or int(os.environ["RANK"]) == 0:
+        return False
+    start(engine_args)
+    run_worker(engine_args)
+    return True
+
+
 def _llm(args: argparse.Namespace):
+    from resin.engine_builder import EngineArgs
     from resin.llm import LLM
 
-    return LLM(args.model, backend=args.backend, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-               max_model_len=args.max_model_len, ops=args.ops, enable_graphs=not args.no_graphs,
-               self_check=args.self_check, quantization=args.quantization)
+    kwargs = dict(backend=args.backend, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+                  max_model_len=args.max_model_len, ops=args.ops, enable_graphs=not args.no_graphs,
+                  self_check=args.self_check, quantization=args.quantization,
+                  tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
+    if _worker_rank(EngineArgs(model=args.model, **kwargs)):
+        sys.exit(0)
+    return LLM(args.model, **kwargs)
 
 
 def _params(args: argparse.Namespace, **extra):
@@ -114,7 +136,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              enable_graphs=not args.no_graphs, self_check=args.self_check,
                              enable_prefix_caching=not args.no_prefix_caching, ops=args.ops, seed=args.seed,
-                             quantization=args.quantization)
+                             quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                             enable_expert_parallel=args.enable_expert_parallel)
+    if _worker_rank(engine_args):
+        return 0
     if args.api_key is not None and not args.api_key.strip():
         # An empty key would silently leave the server open: someone meant to protect it.
         raise ValueError("the API key is empty (--api-key or $RESIN_API_KEY): set a real key, or unset it to serve "

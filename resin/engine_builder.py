@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,10 @@ from resin.core.engine import LLMEngine, LogitsObserver
 from resin.core.cache_layout import plan_cache_layout
 from resin.core.provider_check import SelfCheckReport
 from resin.core.self_check import SelfCheckError, run_self_check
-from resin.hal import Selection, select_backend
+from resin.core.model_runner import ModelRunner
+from resin.core.step_channel import StepChannel
+from resin.hal import Selection, parallel, select_backend
+from resin.parallel import Workers, broadcast_ints, exchange_ints, leave_group, start
 from resin.models.quantized import describe_weights
 from resin.models.loader import LoadedModel, load_model
 from resin.tokenizer import eos_token_ids, load_tokenizer
@@ -78,6 +81,8 @@ class EngineArgs:
     enable_graphs: bool = True  # capture decode graphs where the platform has them (GPUs); --no-graphs
     self_check: str = "on"  # every chosen provider against native before serving: on (drop failures), strict, off
     quantization: str = "auto"  # auto (GGUF stays packed), none (dequantise GGUF on load), int8 (see QUANTIZATION)
+    tensor_parallel_size: int = 1  # ranks the model is split over (resin/parallel.py)
+    enable_expert_parallel: bool = False  # with tensor_parallel_size > 1: whole MoE experts per rank
 
 
 @dataclass
@@ -89,6 +94,8 @@ class BuiltEngine:
     model_path: Path
     dtype: torch.dtype
     self_check: SelfCheckReport | None = None
+    workers: Workers | None = None  # the tensor-parallel ranks this process spawned
+    rank_weight_bytes: list[int] = field(default_factory=list)  # resident weight bytes of each rank
 
 
 @dataclass
@@ -104,6 +111,10 @@ class CheckedModel:
 def packing_for(quantization: str, selection: Selection) -> str:
     """Packed weights only where a kernel runs them: the native quant_linear unpacks every weight on every call
     (for a large lm_head, gigabytes a step), so without a provider GGUF weights are dequantised on load."""
+    if parallel().world > 1:
+        if quantization == "int8":
+            raise ValueError("--quantization int8 is not supported with tensor parallelism yet: drop one of them")
+        return "none"  # packed GGUF weights are not split over ranks yet: dequantised on load
     if quantization == "none" or selection.table["quant_linear"].chosen != "native":
         return quantization
     if quantization == "int8":
@@ -132,7 +143,59 @@ def load_checked(args: EngineArgs) -> CheckedModel:
     return CheckedModel(selection, dtype, path, loaded, check)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+
+
+def validate_parallel(args: EngineArgs) -> None:
+    if args.tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size}: give 1 or more ranks")
+    if args.enable_expert_parallel and args.tensor_parallel_size == 1:
+        raise ValueError("--enable-expert-parallel places experts on tensor-parallel ranks: give "
+                         "--tensor-parallel-size 2 or more")
+
+
+def build_worker_runner(args: EngineArgs) -> ModelRunner:
+    """A rank other than 0: the same load and self-check as rank 0, in lockstep (the self-check's forward runs
+    the model's collectives), then the runner rank 0's plan sizes."""
+    checked = load_checked(args)
+    model, dtype = checked.loaded.model, checked.dtype
+    exchange_ints([weight_bytes(model), free_memory(checked.selection)])
+    num_blocks, max_model_len, max_num_seqs, graph_batch, check_graphs = broadcast_ints(None, 5)
+    layout = plan_cache_layout(model.attention_layers, args.block_size, dtype)
+    runner = ModelRunner(model, layout, num_blocks, max_num_seqs, max_model_len, dtype,
+                         checked.selection.platform.device, graph_batch)
+    if check_graphs and runner.graphs is not None:
+        runner.graphs_match_eager()  # rank 0 decides from its own replay; this rank's runs the collectives with it
+    return runner
+
+
+def shutdown_engine(built: BuiltEngine) -> None:
+    """Stop the other tensor-parallel ranks and leave the process group (nothing to do with one rank)."""
+    if parallel().world == 1:
+        return
+    try:
+        built.engine.close()
+    finally:
+        if built.workers is not None:
+            built.workers.close()
+        leave_group()
+
+
 def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None) -> BuiltEngine:
+    validate_parallel(args)
+    workers = start(args) if args.tensor_parallel_size > 1 else None
+    try:
+        return _build_engine(args, logits_observer, workers)
+    except BaseException:
+        if workers is not None:
+            workers.close(timeout=0)
+        if parallel().world > 1:
+            leave_group()
+        raise
+
+
+def _build_engine(args: EngineArgs, logits_observer: LogitsObserver | None, workers: Workers | None) -> BuiltEngine:
     checked = load_checked(args)
     selection, dtype, path, loaded, check = (checked.selection, checked.dtype, checked.path, checked.loaded,
                                              checked.check)
@@ -144,8 +207,15 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
     max_model_len = args.max_model_len or model_max
     if max_model_len > model_max:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={model_max}")
+    rank_facts = [[weight_bytes(loaded.model), free_memory(selection)]]
+    group = parallel()
+    if group.world > 1:
+        rank_facts = exchange_ints(rank_facts[0])
+    free = min(f[1] for f in rank_facts)
+    if group.world > 1 and selection.platform.kind == "cpu":
+        free //= group.world  # the ranks of one machine share its memory
     budget = (parse_bytes(args.kv_cache_memory) if args.kv_cache_memory is not None
-              else default_kv_cache_bytes(free_memory(selection), on_gpu=selection.platform.kind != "cpu"))
+              else default_kv_cache_bytes(free, on_gpu=selection.platform.kind != "cpu"))
     layout = plan_cache_layout(loaded.model.attention_layers, args.block_size, dtype)
     recurrent = getattr(loaded.model, "recurrent_layers", [])
     state_per_seq = sum(layer.bytes_per_sequence(dtype) for layer in recurrent)
@@ -168,21 +238,31 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
         log.warning("the KV cache holds %d tokens, fewer than the model's %d: max_model_len set to %d",
                     capacity, max_model_len, capacity)
         max_model_len = capacity
+    graphs = args.enable_graphs and selection.platform.supports_graphs
+    graph_batch = min(args.max_num_seqs, EngineConfig.max_graph_batch) if graphs else 0
+    channel = None
+    if group.world > 1:
+        broadcast_ints([num_blocks, max_model_len, args.max_num_seqs, graph_batch, int(check is not None)], 5)
+        channel = StepChannel(group.cpu_group, group.rank)
     config = EngineConfig(
         max_model_len=max_model_len, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max_batched,
         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-        graphs=args.enable_graphs and selection.platform.supports_graphs)
+        graphs=graphs)
     engine = LLMEngine(loaded.model, config, vocab_size=loaded.model.config.vocab_size, dtype=dtype,
                        device=selection.platform.device, num_blocks=num_blocks, tokenizer=tokenizer,
                        eos_token_ids=eos_token_ids(tokenizer, loaded.hf_config, gen_config),
-                       logits_observer=logits_observer)
+                       logits_observer=logits_observer, channel=channel)
     log.info("backend %s on %s (%s), dtype %s; KV cache: %d pages x %d tokens (%.1f MiB) hold %d tokens of one "
              "sequence", selection.backend.name, selection.platform.device_name, selection.platform.arch,
              str(dtype).removeprefix("torch."), num_blocks, args.block_size,
              (num_blocks + 1) * layout.page_bytes / (1 << 20), engine.capacity_tokens)
     log.info("weights: %s", describe_weights(loaded.model))
+    if group.world > 1:
+        log.info("tensor parallel over %d ranks%s: weights per rank %s MiB", group.world,
+                 " (experts placed whole)" if group.expert_parallel else "",
+                 ", ".join(f"{f[0] / (1 << 20):.1f}" for f in rank_facts))
     for line in layout.describe(loaded.model.attention_layers, dtype):
         log.info("KV cache, %s", line)
     if recurrent:
@@ -195,4 +275,5 @@ def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None
                 raise SelfCheckError(f"decode graphs: {mismatch}; refusing to start (--self-check strict)")
             log.warning("decode graphs off: %s", mismatch)
             engine.runner.graphs = None
-    return BuiltEngine(engine, selection, tokenizer, loaded.architecture, path, dtype, check)
+    return BuiltEngine(engine, selection, tokenizer, loaded.architecture, path, dtype, check, workers,
+                       [f[0] for f in rank_facts])

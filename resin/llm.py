@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from typing import Any, Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -10,7 +11,7 @@ from tqdm.auto import tqdm
 from resin.core.engine import LogitsObserver
 from resin.core.outputs import CompletionOutput, RequestOutput
 from resin.core.sampling_params import OutputKind, SamplingParams
-from resin.engine_builder import EngineArgs, build_engine
+from resin.engine_builder import EngineArgs, build_engine, shutdown_engine
 
 Prompt = str | list[int]
 
@@ -34,7 +35,13 @@ class LLM:
         self.architecture = built.architecture
         self.dtype = built.dtype
         self.self_check = built.self_check  # what the startup check ran and dropped (None when off)
+        self.rank_weight_bytes = built.rank_weight_bytes  # resident weight bytes of each tensor-parallel rank
         self._ids = itertools.count()
+        self._shutdown = weakref.finalize(self, shutdown_engine, built)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (also done when the LLM is collected, or at exit)."""
+        self._shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -21,8 +21,13 @@ def test_matrix_cells():
     assert set(m.vendors) == {"cpu", "cuda", "rocm"}
     labels = {label for v in m.vendors.values() for label in v["runners"]}
     assert labels == {"cpu", "gpu-nvidia-h100", "gpu-nvidia-b200", "gpu-amd-mi300x", "gpu-amd-mi355x"}
-    groups = {"unit", "parity", "kernels-interpreted", "kernels-gpu", "e2e-server", "bench-smoke"}
+    groups = {"unit", "parity", "kernels-interpreted", "kernels-gpu", "distributed", "e2e-server", "bench-smoke"}
     assert {c.group for c in m.column("cuda")} == groups == {c.group for c in m.column("rocm")}
+    # tensor parallelism runs on 8-GPU runners, the rest on single-GPU ones; the cpu column runs it with gloo
+    assert [c.group for c in m.column("cuda", "gpu-nvidia-h100x8")] == ["distributed"]
+    assert [c.group for c in m.column("rocm", "gpu-amd-mi300x8")] == ["distributed"]
+    assert "distributed" not in {c.group for c in m.column("rocm", "gpu-amd-mi300x")}
+    assert "distributed" in {c.group for c in m.column("cpu", "cpu")}
     assert {c.group for c in m.column("cpu")} == groups - {"kernels-gpu"} | {"kernels-compiled"}
     interp = next(c for c in m.column("cpu") if c.group == "kernels-interpreted")
     assert interp.env == {"TRITON_INTERPRET": "1"} and "not requires_gpu" in interp.markers

@@ -72,7 +72,20 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout=30)
+        # a failed engine's thread may be stuck in a collective with a rank that is gone: do not wait for it
+        self._thread.join(timeout=30 if self.error is None else 1)
+
+    def fail(self, error: BaseException) -> None:
+        """The engine ended outside its thread (a tensor-parallel rank exited): fail every waiting request and
+        tell the server, as if the thread had crashed."""
+        log.error("engine failed: %s", error)
+        if self.error is None:
+            self.error = error
+        self._stop = True
+        self._wake.set()
+        self._to_loop(self._dispatch_error, None, EngineDead(f"the engine failed: {error!r}"))
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
     @property
     def alive(self) -> bool:

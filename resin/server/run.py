@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from resin.engine_builder import EngineArgs, build_engine
+from resin.engine_builder import EngineArgs, build_engine, shutdown_engine
 from resin.server.app import create_app
 from resin.server.async_engine import AsyncEngine
 from resin.server.metrics import ServerMetrics
@@ -67,7 +67,15 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
                             timeout_graceful_shutdown=int(args.shutdown_timeout) + 5)
     server = _GracefulServer(config, state, args.shutdown_timeout)
     engine.on_fatal = server.engine_died
-    server.run()
+    if built.workers is not None:  # a rank that exits fails the engine: unhealthy, then exit 1
+        built.workers.on_death = lambda reason: engine.fail(RuntimeError(reason))
+    try:
+        server.run()
+    finally:
+        if engine.error is None:
+            shutdown_engine(built)
+        elif built.workers is not None:
+            built.workers.close(timeout=0)
     if engine.error is not None:
         log.error("exiting with status 1: the engine failed (%r); a supervisor should restart the server",
                   engine.error)
