@@ -80,8 +80,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.layout, num_blocks, config.max_num_seqs, config.max_model_len, dtype,
                                   device,
-                                  graph_batch=min(config.max_num_seqs, config.max_graph_batch) if config.graphs else 0,
-                                  channel=channel)
+                                  channel=channel,
+                                  graph_batch=min(config.max_num_seqs, config.max_graph_batch) if config.graphs else 0)
         self.sampler = Sampler(vocab_size, torch.Generator(device=device).manual_seed(config.seed))
         self.logits_observer = logits_observer
         self.groups: dict[str, RequestGroup] = {}

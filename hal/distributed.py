@@ -53,6 +53,15 @@ def rank_range(total: int) -> tuple[int, int]:
     return split_range(total, g.world, g.rank)
 
 
+def row_max(x: torch.Tensor) -> torch.Tensor:
+    """The elementwise max of x over the ranks: at load time, a quantisation scale over a row split across ranks
+    (not an op: it never runs in a step)."""
+    g = parallel()
+    if g.world > 1:
+        torch.distributed.all_reduce(x, op=torch.distributed.ReduceOp.MAX, group=g.device_group)
+    return x
+
+
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of x over the tensor-parallel ranks (every rank gets it); x itself on one rank."""
     g = parallel()

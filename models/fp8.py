@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from resin import hal
-from resin.models.layers import Linear, MergedLinear
+from resin.models.layers import Linear, MergedLinear, reduce_rows, take
 
 
 @dataclass(frozen=True)
@@ -80,9 +80,13 @@ class Fp8Linear(nn.Module):
         super().__init__()
         out_features, in_features = linear.weight.shape
         self.offsets: dict[str, tuple[int, int]] = getattr(linear, "offsets", {})
+        # tensor parallelism: the checkpoint rows each shard takes (column-split), or the columns (row-split)
+        self.parts: dict[Any, tuple[int, int]] = getattr(linear, "parts", {})
+        self.in_part: tuple[int, int] | None = getattr(linear, "in_part", None)
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn),
                                    requires_grad=False)
         self.weight.weight_loader = self._load_rows
+        self.weight.reads_slices = True
         self.weight_scale = nn.Parameter(torch.zeros(out_features, dtype=torch.float32), requires_grad=False)
         self.weight_scale.weight_loader = self._load_scale
         self.input_scale = None
@@ -96,12 +100,19 @@ class Fp8Linear(nn.Module):
                     p.shards = list(self.offsets)
 
     def _rows(self, param: torch.Tensor, shard: str | None) -> torch.Tensor:
-        if shard is None:
+        if shard not in self.offsets:
             return param.data
         start, size = self.offsets[shard]
         return param.data.narrow(0, start, size)
 
-    def _load_rows(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
+    def _mine(self, tensor: Any, shard: str | None) -> torch.Tensor:
+        """This rank's part of a checkpoint weight (all of it with one rank)."""
+        if shard in self.parts:
+            return take(tensor, 0, *self.parts[shard])
+        return take(tensor, 1, *self.in_part) if self.in_part is not None else take(tensor, 0, 0, tensor.shape[0])
+
+    def _load_rows(self, param: nn.Parameter, tensor: Any, shard: str | None = None) -> None:
+        tensor = self._mine(tensor, shard)
         rows = self._rows(param, shard)
         if tensor.shape != rows.shape:
             raise ValueError(f"fp8 weight of shape {tuple(tensor.shape)} does not fit {tuple(rows.shape)}")
@@ -112,6 +123,8 @@ class Fp8Linear(nn.Module):
     def _load_scale(self, param: nn.Parameter, tensor: torch.Tensor, shard: str | None = None) -> None:
         rows = self._rows(param, shard)
         flat = tensor.float().reshape(-1)
+        if shard in self.parts and flat.numel() > 1:  # per channel: this rank's rows
+            flat = flat.narrow(0, *self.parts[shard])
         if flat.numel() not in (1, rows.numel()):
             raise ValueError(f"weight_scale with {flat.numel()} values for {rows.numel()} output rows: expected "
                              f"one (per tensor) or one per row (per channel)")
@@ -134,6 +147,9 @@ class Fp8Linear(nn.Module):
             self.input_scale.data.copy_(xs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_part is not None:
+            return reduce_rows(lambda bias: hal.FP8_LINEAR(x, self.weight, self.weight_scale, self.input_scale, bias),
+                               self.bias)
         return hal.FP8_LINEAR(x, self.weight, self.weight_scale, self.input_scale, self.bias)
 
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from resin import hal
+from resin.hal.distributed import parallel, rank_range, split_range
 from resin.models.layers import Linear, default_loader, param
 from resin.models.llama import DecoderConfig, DecoderLayer, LlamaForCausalLM
 from resin.models.mxfp4 import dequantize_mxfp4
@@ -34,26 +35,48 @@ def _gate_up_rows(t: torch.Tensor) -> torch.Tensor:
 
 class GptOssExperts(nn.Module):
     """The experts' weights under the checkpoint's names, stored in FUSED_MOE's layout. With `mxfp4`, the two
-    weights arrive as `_blocks` + `_scales` pairs (shards of one parameter) and are dequantised once both have."""
+    weights arrive as `_blocks` + `_scales` pairs (shards of one parameter) and are dequantised once both have.
+
+    Under tensor parallelism a rank holds experts [first, first + count) (all of them unless expert-parallel) and
+    of each, intermediate rows inter_part: gate and up rows i of the checkpoint are its interleaved rows 2i, 2i+1."""
 
     def __init__(self, hidden: int, inter: int, num_experts: int, mxfp4: bool, dtype: torch.dtype):
         super().__init__()
-        self.gate_up_proj = param(num_experts, 2 * inter, hidden, dtype=dtype)
-        self.gate_up_proj_bias = param(num_experts, 2 * inter, dtype=dtype)
-        self.down_proj = param(num_experts, hidden, inter, dtype=dtype)
-        self.down_proj_bias = param(num_experts, hidden, dtype=dtype)
-        self.gate_up_proj_bias.weight_loader = lambda p, t, shard=None: default_loader(p, _gate_up_rows(t))
+        g = parallel()
+        if g.expert_parallel:
+            self.experts, self.inter_part = split_range(num_experts, g.world, g.rank), (0, inter)
+        else:
+            self.experts, self.inter_part = (0, num_experts), rank_range(inter)
+        self.num_experts = num_experts
+        count, inter = self.experts[1], self.inter_part[1]
+        self.gate_up_proj = param(count, 2 * inter, hidden, dtype=dtype)
+        self.gate_up_proj_bias = param(count, 2 * inter, dtype=dtype)
+        self.down_proj = param(count, hidden, inter, dtype=dtype)
+        self.down_proj_bias = param(count, hidden, dtype=dtype)
+        self.gate_up_proj_bias.weight_loader = lambda p, t, shard=None: default_loader(
+            p, _gate_up_rows(self._mine(t, 1, interleaved=True)))
+        self.down_proj_bias.weight_loader = lambda p, t, shard=None: default_loader(p, t.narrow(0, *self.experts))
         self._pending: dict[tuple[int, str], torch.Tensor] = {}  # an MXFP4 half waiting for its other half
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(self, name)
             p.weight_loader = self._load_mxfp4 if mxfp4 else self._load_dense
             if mxfp4:
                 p.shards = ["blocks", "scales"]
+            else:
+                p.reads_slices = True  # only this rank's experts are read
 
-    def _load_dense(self, p: nn.Parameter, t: torch.Tensor, shard: Any = None) -> None:
+    def _mine(self, t: Any, dim: int, interleaved: bool = False) -> torch.Tensor:
+        """This rank's experts (dim 0) and intermediate rows (along dim) of a checkpoint tensor of every expert."""
+        start, size = self.inter_part
+        t = t.narrow(0, *self.experts)
+        return t.narrow(dim, 2 * start, 2 * size) if interleaved else t.narrow(dim, start, size)
+
+    def _load_dense(self, p: nn.Parameter, t: Any, shard: Any = None) -> None:
         # checkpoint (E, in, out) -> (E, out, in); gate_up's out is interleaved
-        t = t.transpose(1, 2)
-        default_loader(p, _gate_up_rows(t) if p is self.gate_up_proj else t)
+        if p is self.gate_up_proj:
+            default_loader(p, _gate_up_rows(self._mine(t, 2, interleaved=True).transpose(1, 2)))
+        else:
+            default_loader(p, self._mine(t, 1).transpose(1, 2))
 
     def _load_mxfp4(self, p: nn.Parameter, t: torch.Tensor, shard: str | None) -> None:
         if shard not in ("blocks", "scales"):
@@ -64,11 +87,17 @@ class GptOssExperts(nn.Module):
             self._pending[(id(p), shard)] = t
             return
         halves = {shard: t, other: self._pending.pop((id(p), other))}
-        if halves["blocks"].shape[0] != p.shape[0]:
-            raise ValueError(f"MXFP4 expert weight for {p.shape[0]} experts has {halves['blocks'].shape[0]}")
-        for e in range(p.shape[0]):  # one expert at a time: the transient fp32 copy stays one expert's size
-            w = dequantize_mxfp4(halves["blocks"][e], halves["scales"][e], p.dtype)  # (out, in), rows as stored
-            default_loader(p.data[e], _gate_up_rows(w.unsqueeze(0))[0] if p is self.gate_up_proj else w)
+        first, count = self.experts
+        if halves["blocks"].shape[0] != self.num_experts:
+            raise ValueError(f"MXFP4 expert weight for {self.num_experts} experts has {halves['blocks'].shape[0]}")
+        start, size = self.inter_part
+        for e in range(count):  # one expert at a time: the transient fp32 copy stays one expert's size
+            # (out, in), rows as stored: gate_up's rows interleaved, down's columns the intermediate size
+            w = dequantize_mxfp4(halves["blocks"][first + e], halves["scales"][first + e], p.dtype)
+            if p is self.gate_up_proj:
+                default_loader(p.data[e], _gate_up_rows(w.narrow(0, 2 * start, 2 * size).unsqueeze(0))[0])
+            else:
+                default_loader(p.data[e], w.narrow(1, start, size))
 
 
 class GptOssMoe(nn.Module):
@@ -81,9 +110,18 @@ class GptOssMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # softmax over the top k logits = softmax over all, renormalised over the top k
         weights, ids = hal.MOE_ROUTE(self.router(x), self.top_k, "softmax", True)
-        e = self.experts
-        return hal.FUSED_MOE(x, e.gate_up_proj, e.down_proj, weights, ids, "swigluoai", e.gate_up_proj_bias,
-                             e.down_proj_bias, self.alpha, self.limit)
+        e, g = self.experts, parallel()
+        if g.world == 1:
+            return hal.FUSED_MOE(x, e.gate_up_proj, e.down_proj, weights, ids, "swigluoai", e.gate_up_proj_bias,
+                                 e.down_proj_bias, self.alpha, self.limit)
+        first, count = e.experts
+        if count != e.num_experts:  # expert-parallel: the other ranks' experts weigh 0 here
+            mine = (ids >= first) & (ids < first + count)
+            ids, weights = torch.where(mine, ids - first, 0), torch.where(mine, weights, 0)
+        # the down bias once per expert: expert-parallel ranks add their own experts', tensor-parallel only rank 0
+        down_bias = e.down_proj_bias if g.expert_parallel or g.rank == 0 else None
+        return hal.ALL_REDUCE(hal.FUSED_MOE(x, e.gate_up_proj, e.down_proj, weights, ids, "swigluoai",
+                                            e.gate_up_proj_bias, down_bias, self.alpha, self.limit))
 
 
 class GptOssDecoderLayer(DecoderLayer):
@@ -93,7 +131,6 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
-    tensor_parallel = False  # its experts (biased, interleaved gate/up) are not split over ranks yet
     decoder_layer = GptOssDecoderLayer
     gguf_permutes_qk = False
     reads_mxfp4 = True  # the loader leaves quant_method mxfp4 to this family's experts

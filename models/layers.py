@@ -12,7 +12,7 @@ rank every slice is the whole tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -85,21 +85,27 @@ class MergedLinear(Linear):
         default_loader(param.data.narrow(0, start, size), take(tensor, 0, *self.parts[shard]))
 
 
+def reduce_rows(project: Callable[[torch.Tensor | None], torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+    """A row-parallel projection's output: every rank's partial product, the bias added by rank 0 alone, summed."""
+    g = parallel()
+    if g.world == 1:
+        return project(bias)
+    return hal.ALL_REDUCE(project(bias if g.rank == 0 else None))
+
+
 class RowLinear(Linear):
     """Row-parallel: the projection after a column-split one (o_proj, down_proj). Each rank holds input columns
-    part = (start, size), multiplies its own activations and one all-reduce sums the parts; rank 0 adds the bias."""
+    in_part = (start, size), multiplies its own activations and one all-reduce sums the parts (reduce_rows)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32,
                  part: tuple[int, int] | None = None):
         part = part or rank_range(in_features)
         super().__init__(part[1], out_features, bias, dtype)
+        self.in_part = part
         sliced_loader(self.weight, 1, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = parallel()
-        if g.world == 1:
-            return hal.LINEAR(x, self.weight, self.bias)
-        return hal.ALL_REDUCE(hal.LINEAR(x, self.weight, self.bias if g.rank == 0 else None))
+        return reduce_rows(lambda bias: hal.LINEAR(x, self.weight, bias), self.bias)
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,8 @@ class Attention(nn.Module):
         self.qkv_proj = QKVLinear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, self.d, cfg.qkv_bias, dtype)
         self.h, self.hk = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's heads
         self.qkv_sizes = self.qkv_proj.sizes
-        self.o_proj = RowLinear(cfg.num_heads * self.d, cfg.hidden_size, cfg.o_bias, dtype, self.qkv_proj.o_part(self.d))
+        self.o_proj = RowLinear(cfg.num_heads * self.d, cfg.hidden_size, cfg.o_bias, dtype,
+                                self.qkv_proj.o_part(self.d))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype)

@@ -135,16 +135,13 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, Any]]) -> None:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}")
 
 
-def check_tensor_parallel(architecture: str, cls: type, quant: Any) -> None:
+def check_tensor_parallel(architecture: str, cls: type) -> None:
     from resin.models import MODEL_REGISTRY
 
     if not getattr(cls, "tensor_parallel", False):
         ready = [name for name, c in MODEL_REGISTRY.items() if getattr(c, "tensor_parallel", False)]
         raise ValueError(f"{architecture} does not run under tensor parallelism yet (its layers are not split over "
                          f"ranks); families that do: {', '.join(ready)}. Use tensor_parallel_size=1")
-    if quant is not None:
-        raise ValueError(f"{architecture} checkpoint is quantised ({type(quant).__name__}): quantised weights are "
-                         f"not split over tensor-parallel ranks yet; use tensor_parallel_size=1")
 
 
 QUANTIZATION = {
@@ -166,7 +163,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device, fp8_d
     architecture, cls = resolve_architecture(config)
     quant = parse_quant_config(config, mxfp4_reader=getattr(cls, "reads_mxfp4", False))
     if world > 1:
-        check_tensor_parallel(architecture, cls, quant)
+        check_tensor_parallel(architecture, cls)
     model = cls(cls.parse_config(config), dtype)
     if quant is not None:
         quantize_linears(model, quant)

@@ -17,7 +17,8 @@ from torch import nn
 from resin import hal
 from resin.hal.quant import INT8, quant_format
 from resin.models.fp8 import checkpoint_names
-from resin.models.layers import Embedding, Linear, MergedLinear, default_loader
+from resin.hal.distributed import row_max
+from resin.models.layers import Embedding, Linear, MergedLinear, default_loader, reduce_rows
 
 
 @dataclass(frozen=True)
@@ -88,13 +89,19 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: Linear):
         super().__init__()
         w = linear.weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        self.in_part = getattr(linear, "in_part", None)  # row-parallel: this rank's columns of each row
+        amax = w.abs().amax(dim=1)
+        if self.in_part is not None:
+            amax = row_max(amax)  # the scale of the whole row, so every rank rounds as one rank would
+        scale = (amax / 127.0).clamp_min(1e-12)
         self.weight = nn.Parameter(torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8),
                                    requires_grad=False)
         self.scales = nn.Parameter(scale, requires_grad=False)
         self.bias = _fp32_bias(linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_part is not None:
+            return reduce_rows(lambda bias: hal.QUANT_LINEAR(x, self.weight, INT8, self.scales, bias), self.bias)
         return hal.QUANT_LINEAR(x, self.weight, INT8, self.scales, self.bias)
 
 

@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from resin import hal
-from resin.models.layers import (Embedding, GatedMLP, Linear, MergedLinear, RMSNorm, Rotary, SparseMoe,
-                                 default_loader, param)
+from resin.hal.distributed import parallel, split_range
+from resin.models.layers import (Embedding, GatedMLP, Linear, LMHead, MergedLinear, RMSNorm, Rotary, RowLinear,
+                                 SparseMoe, default_loader, head_shard, param, sliced_loader)
 from resin.models.llama import expert_slice
 
 _NORM_OFFSET = 1.0  # zero-centred RMSNorm: the checkpoint stores w of the scale 1 + w
@@ -85,15 +86,21 @@ class Qwen3NextConfig:
 
 
 class GatedAttention(nn.Module):
-    """Full attention whose output is scaled by sigmoid of a per-head gate that q_proj emits beside each query."""
+    """Full attention whose output is scaled by sigmoid of a per-head gate that q_proj emits beside each query
+    (2 x head_dim rows per query head: its query, then its gate)."""
 
     def __init__(self, cfg: Qwen3NextConfig, attn_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
         self.attn_idx = attn_idx
-        self.h, self.hk, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, [2 * self.h * self.d, self.hk * self.d, self.hk * self.d],
-                                     ["q", "k", "v"], bias=cfg.attention_bias, dtype=dtype)
-        self.o_proj = Linear(self.h * self.d, cfg.hidden_size, bias=cfg.attention_bias, dtype=dtype)
+        heads, d = head_shard(cfg.num_heads, cfg.num_kv_heads), cfg.head_dim
+        self.h, self.hk, self.d = heads.q_count, heads.kv_count, d  # this rank's heads
+        kv = (heads.kv_start * d, heads.kv_count * d)
+        self.qkv_proj = MergedLinear(cfg.hidden_size, [2 * cfg.num_heads * d, cfg.num_kv_heads * d,
+                                                       cfg.num_kv_heads * d], ["q", "k", "v"],
+                                     bias=cfg.attention_bias, dtype=dtype,
+                                     parts=[(2 * heads.q_start * d, 2 * heads.q_count * d), kv, kv])
+        self.o_proj = RowLinear(cfg.num_heads * d, cfg.hidden_size, cfg.attention_bias, dtype,
+                                (heads.q_start * d, heads.q_count * d))
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, weight_offset=_NORM_OFFSET)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, dtype, weight_offset=_NORM_OFFSET)
         self.rotary = rotary  # one table, shared by every attention layer
@@ -113,10 +120,12 @@ class CausalConv1d(nn.Module):
     """Depthwise causal conv with silu, continuing each sequence from its conv state (the checkpoint's Conv1d
     weight is (channels, 1, width); Resin keeps (channels, width))."""
 
-    def __init__(self, channels: int, width: int, dtype: torch.dtype):
+    def __init__(self, channels: int, width: int, dtype: torch.dtype, parts: list[tuple[int, int]]):
+        """parts: the checkpoint channels this rank holds, (start, size) ranges in order."""
         super().__init__()
         self.weight = param(channels, width, dtype=dtype)
-        self.weight.weight_loader = lambda p, w, shard=None: default_loader(p, w.squeeze(1))
+        self.weight.weight_loader = lambda p, w, shard=None: default_loader(
+            p, torch.cat([w.narrow(0, *part) for part in parts]).squeeze(1))
 
     def forward(self, x: torch.Tensor, conv_state: torch.Tensor, meta: hal.RecurrentMetadata) -> torch.Tensor:
         if meta.decode_only:  # one token per sequence: the update op, which graphs can capture
@@ -133,16 +142,30 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, state_idx: int, dtype: torch.dtype):
         super().__init__()
         self.state_idx = state_idx
-        self.hk, self.hv, self.dk, self.dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
-        self.ratio = self.hv // self.hk
-        self.conv_dim = 2 * self.hk * self.dk + self.hv * self.dv
-        self.in_proj_qkvz = Linear(cfg.hidden_size, 2 * self.hk * self.dk + 2 * self.hv * self.dv, dtype=dtype)
-        self.in_proj_ba = Linear(cfg.hidden_size, 2 * self.hv, dtype=dtype)
-        self.conv1d = CausalConv1d(self.conv_dim, cfg.conv_width, dtype)
+        hk, hv, dk, dv = cfg.linear_k_heads, cfg.linear_v_heads, cfg.linear_k_dim, cfg.linear_v_dim
+        self.ratio = hv // hk
+        g = parallel()
+        if hk < g.world:
+            raise ValueError(f"tensor_parallel_size={g.world} exceeds the {hk} key heads of the linear-attention "
+                             f"layers, which are split and not replicated: choose at most {hk}")
+        k0, self.hk = split_range(hk, g.world, g.rank)  # this rank's key heads and the value heads they serve
+        v0, self.hv, self.dk, self.dv = k0 * self.ratio, self.hk * self.ratio, dk, dv
+        self.conv_dim = 2 * self.hk * dk + self.hv * dv
+        group = 2 * dk + 2 * self.ratio * dv  # in_proj_qkvz rows of one key head: q, k, its values, its z
+        self.in_proj_qkvz = MergedLinear(cfg.hidden_size, [hk * group], [None], dtype=dtype,
+                                         parts=[(k0 * group, self.hk * group)])
+        self.in_proj_ba = MergedLinear(cfg.hidden_size, [2 * hv], [None], dtype=dtype,
+                                       parts=[(2 * v0, 2 * self.hv)])
+        # conv channels: q of every key head, k of every key head, then every value head's v
+        self.conv1d = CausalConv1d(self.conv_dim, cfg.conv_width, dtype,
+                                   [(k0 * dk, self.hk * dk), (hk * dk + k0 * dk, self.hk * dk),
+                                    (2 * hk * dk + v0 * dv, self.hv * dv)])
         self.dt_bias = param(self.hv, dtype=dtype)
         self.A_log = param(self.hv, dtype=dtype)
+        sliced_loader(self.dt_bias, 0, (v0, self.hv))
+        sliced_loader(self.A_log, 0, (v0, self.hv))
         self.norm = RMSNorm(self.dv, cfg.rms_norm_eps, dtype)
-        self.out_proj = Linear(self.hv * self.dv, cfg.hidden_size, dtype=dtype)
+        self.out_proj = RowLinear(hv * dv, cfg.hidden_size, dtype=dtype, part=(v0 * dv, self.hv * dv))
         # the delta-rule state is kept in fp32: it accumulates over the whole sequence
         self.spec = hal.RecurrentLayer(((self.conv_dim, cfg.conv_width - 1), (self.hv, self.dk, self.dv)),
                                        (None, torch.float32))
@@ -228,6 +251,7 @@ class Qwen3NextModel(nn.Module):
 
 
 class Qwen3NextForCausalLM(nn.Module):
+    tensor_parallel = True  # every weight is split over tensor-parallel ranks (models/layers.py)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
@@ -240,7 +264,7 @@ class Qwen3NextForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Qwen3NextModel(cfg, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, cfg.vocab_size, dtype)
         layers = self.model.layers
         self.attention_layers = [layer.self_attn.spec for layer in layers if not layer.is_linear]
         self.recurrent_layers = [layer.linear_attn.spec for layer in layers if layer.is_linear]

@@ -82,16 +82,26 @@ def _params(args: argparse.Namespace, **extra):
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args, ignore_eos=args.ignore_eos)
     llm = _llm(args)
-    for piece in llm.stream(args.prompt, params, chat=args.chat):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    try:
+        for piece in llm.stream(args.prompt, params, chat=args.chat):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        llm.shutdown()  # tensor parallelism: leave the process group before the interpreter exits
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _params(args)
     llm = _llm(args)
+    try:
+        return _chat(args, llm, params)
+    finally:
+        llm.shutdown()
+
+
+def _chat(args: argparse.Namespace, llm, params) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print("Chatting with the model. /reset starts over, /exit (or Ctrl-D) quits.", file=sys.stderr)

@@ -111,9 +111,7 @@ class CheckedModel:
 def packing_for(quantization: str, selection: Selection) -> str:
     """Packed weights only where a kernel runs them: the native quant_linear unpacks every weight on every call
     (for a large lm_head, gigabytes a step), so without a provider GGUF weights are dequantised on load."""
-    if parallel().world > 1:
-        if quantization == "int8":
-            raise ValueError("--quantization int8 is not supported with tensor parallelism yet: drop one of them")
+    if parallel().world > 1 and quantization == "auto":
         return "none"  # packed GGUF weights are not split over ranks yet: dequantised on load
     if quantization == "none" or selection.table["quant_linear"].chosen != "native":
         return quantization
@@ -174,25 +172,34 @@ def shutdown_engine(built: BuiltEngine) -> None:
     """Stop the other tensor-parallel ranks and leave the process group (nothing to do with one rank)."""
     if parallel().world == 1:
         return
+    if built.workers is not None:
+        built.workers.expect_exit()
     try:
         built.engine.close()
+        leave_group(together=True)
     finally:
         if built.workers is not None:
             built.workers.close()
-        leave_group()
 
 
 def build_engine(args: EngineArgs, logits_observer: LogitsObserver | None = None) -> BuiltEngine:
     validate_parallel(args)
     workers = start(args) if args.tensor_parallel_size > 1 else None
     try:
-        return _build_engine(args, logits_observer, workers)
-    except BaseException:
+        built = _build_engine(args, logits_observer, workers)
+    except BaseException as e:
+        # a ValueError is rank 0's own verdict on the arguments; anything else may be a peer that vanished
+        deaths = workers.deaths_within(2.0) if workers is not None and not isinstance(e, ValueError) else []
         if workers is not None:
             workers.close(timeout=0)
         if parallel().world > 1:
             leave_group()
+        if deaths:
+            raise RuntimeError("; ".join(deaths)) from e
         raise
+    if workers is not None:
+        workers.started = True
+    return built
 
 
 def _build_engine(args: EngineArgs, logits_observer: LogitsObserver | None, workers: Workers | None) -> BuiltEngine:

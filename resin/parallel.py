@@ -62,9 +62,12 @@ def init_group(rank: int, world: int, init_method: str, expert_parallel: bool) -
     return group
 
 
-def leave_group() -> None:
-    """Back to one rank: this process can build another engine."""
+def leave_group(together: bool = False) -> None:
+    """Back to one rank: this process can build another engine. together: every rank is leaving now (a normal
+    stop): wait for all at a barrier first, so none tears its connections down under another's last message."""
     if dist.is_initialized():
+        if together:
+            dist.barrier(group=parallel().cpu_group)
         dist.destroy_process_group()
     set_parallel(ParallelGroup())
 
@@ -86,24 +89,55 @@ def broadcast_ints(values: list[int] | None, count: int) -> list[int]:
 
 
 class Workers:
-    """The ranks rank 0 spawned (none under torchrun): started, watched, stopped."""
+    """The ranks rank 0 spawned (none under torchrun): started, watched, stopped.
 
-    def __init__(self, processes: list[multiprocessing.Process]):
-        self.processes = processes
+    A rank that exits while the engine runs calls on_death (default: end this process, which cannot step
+    without it). One that exits during start-up leaves rank 0 to fail on its own (a gloo collective with a
+    dead peer raises at once) and raise the rank's error; only if rank 0 is still waiting after a grace period
+    (an NCCL collective may not notice) does on_death run."""
+
+    _STARTUP_GRACE = 10.0
+
+    def __init__(self, processes: list[multiprocessing.Process], errors: list[multiprocessing.connection.Connection]):
+        self.processes, self._errors = processes, errors
         self.on_death: Callable[[str], None] = _die
+        self.started = False  # set once the engine is built
+        self.deaths: list[str] = []
         self._closing = False
         self._watch = threading.Thread(target=self._watch_loop, name="resin-tp-watch", daemon=True)
         self._watch.start()
 
     def _watch_loop(self) -> None:
-        alive = {p.sentinel: p for p in self.processes}
+        alive = {p.sentinel: (p, err) for p, err in zip(self.processes, self._errors)}
         while alive and not self._closing:
             for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.5):
-                p = alive.pop(sentinel)
+                p, err = alive.pop(sentinel)
                 p.join(1)  # reap it: its exit code
+                try:
+                    error = err.recv() if err.poll() else None
+                except (EOFError, OSError):  # it died without a word (killed)
+                    error = None
+                reason = f"tensor-parallel worker {p.name} exited with code {p.exitcode}" + (
+                    f" ({error})" if error else "")
+                self.deaths.append(reason)
+                if not self.started:
+                    deadline = time.monotonic() + self._STARTUP_GRACE
+                    while not self._closing and time.monotonic() < deadline:
+                        time.sleep(0.1)
                 if not self._closing:
-                    self.on_death(f"tensor-parallel worker {p.name} exited with code {p.exitcode}")
-                    return
+                    self.on_death(reason)
+                return
+
+    def deaths_within(self, timeout: float) -> list[str]:
+        """The ranks that exited, waiting up to timeout for the watcher to see one."""
+        deadline = time.monotonic() + timeout
+        while not self.deaths and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return list(self.deaths)
+
+    def expect_exit(self) -> None:
+        """The ranks are about to be told to stop: their exits are no longer deaths."""
+        self._closing = True
 
     def close(self, timeout: float = 10.0) -> None:
         """After rank 0 sent STOP: wait for the ranks to leave, then make sure they have."""
@@ -138,11 +172,14 @@ def start(args) -> Workers | None:
         return None
     url = f"tcp://127.0.0.1:{_free_port()}"
     ctx = multiprocessing.get_context("spawn")
-    processes = [ctx.Process(target=_worker_process, args=(rank, world, url, args, os.getpid()),
-                             name=f"rank {rank}", daemon=True) for rank in range(1, world)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]
+    processes = [ctx.Process(target=_worker_process, args=(rank, world, url, args, os.getpid(), send),
+                             name=f"rank {rank}", daemon=True) for rank, (_, send) in zip(range(1, world), pipes)]
     for p in processes:
         p.start()
-    workers = Workers(processes)
+    for _, send in pipes:
+        send.close()  # the child holds its end: a rank that dies closes the pipe
+    workers = Workers(processes, [recv for recv, _ in pipes])
     try:
         init_group(0, world, url, args.enable_expert_parallel)
     except BaseException:
@@ -157,11 +194,16 @@ def _watch_parent(parent: int) -> None:
     os._exit(1)  # rank 0 is gone (killed): nothing will send another step
 
 
-def _worker_process(rank: int, world: int, url: str, args, parent: int) -> None:
+def _worker_process(rank: int, world: int, url: str, args, parent: int,
+                    errors: multiprocessing.connection.Connection) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    init_group(rank, world, url, args.enable_expert_parallel)
-    run_worker(args)
+    try:
+        init_group(rank, world, url, args.enable_expert_parallel)
+        run_worker(args)
+    except BaseException as e:
+        errors.send(f"{type(e).__name__}: {e}")  # for rank 0's report; the traceback goes to stderr
+        raise
 
 
 def run_worker(args) -> None:
@@ -172,4 +214,4 @@ def run_worker(args) -> None:
 
     runner = build_worker_runner(args)
     serve_steps(runner, StepChannel(parallel().cpu_group, parallel().rank))
-    leave_group()
+    leave_group(together=True)

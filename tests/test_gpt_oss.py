@@ -34,7 +34,9 @@ def test_dequantize_matches_transformers():
         dequantize_mxfp4(blocks, scales[..., :1], torch.float32)
 
 
-def test_mxfp4_checkpoint_matches_transformers_on_its_dequantised_weights(tmp_path):
+def write_mxfp4_checkpoint(tmp_path):
+    """A tiny GPT-OSS checkpoint with MXFP4 experts (and real sinks and biases); returns the transformers model
+    holding its dequantised weights."""
     cfg = tiny_hf_config("GptOssForCausalLM")
     hf = random_hf_model(cfg, seed=9)
     e, h, inter = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
@@ -60,7 +62,11 @@ def test_mxfp4_checkpoint_matches_transformers_on_its_dequantised_weights(tmp_pa
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
                                                                                         "model.embed_tokens"]}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    return hf
 
+
+def test_mxfp4_checkpoint_matches_transformers_on_its_dequantised_weights(tmp_path):
+    hf = write_mxfp4_checkpoint(tmp_path)
     rec = LogitsRecorder()
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="4MiB", max_num_batched_tokens=16,
               logits_observer=rec)

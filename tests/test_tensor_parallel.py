@@ -21,6 +21,8 @@ from resin import LLM, SamplingParams
 from server_utils import ServerProcess, free_port
 
 pytestmark = pytest.mark.distributed
+if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+    pytest.skip(f"requires 2 GPUs (this machine has {torch.cuda.device_count()})", allow_module_level=True)
 
 # (id, architecture, config overrides, expert parallel)
 CASES = [
@@ -34,6 +36,10 @@ CASES = [
     ("mixtral-ep", "MixtralForCausalLM", {}, True),
     ("gemma2", "Gemma2ForCausalLM", {}, False),
     ("gemma3", "Gemma3ForCausalLM", {}, False),
+    ("gpt-oss-tp", "GptOssForCausalLM", {}, False),  # sinks split with their heads, biased interleaved experts
+    ("gpt-oss-ep", "GptOssForCausalLM", {}, True),
+    ("qwen3-next-tp", "Qwen3NextForCausalLM", {}, False),  # key heads split in the linear-attention layers
+    ("qwen3-next-ep", "Qwen3NextForCausalLM", {}, True),
 ]
 PROMPTS = [[1, 5, 9, 13, 2, 7], list(range(3, 40)), [7, 7, 8, 9, 10] * 6, list(range(3, 40))]  # last: prefix hit
 
@@ -70,8 +76,21 @@ def test_tp2_equals_tp1(case, tmp_path):
     assert sum(rank_bytes) > ref_bytes
 
 
-def test_sampling_with_n_and_seed_equals_tp1(tmp_path):
-    save_tiny(tmp_path, "Qwen3ForCausalLM")
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_mxfp4_experts_split_after_dequantising(ep, tmp_path):
+    from test_gpt_oss import write_mxfp4_checkpoint
+
+    write_mxfp4_checkpoint(tmp_path)
+    ref, ref_rec, _ = _run(tmp_path, 1)
+    got, rec, _ = _run(tmp_path, 2, ep)
+    for a, b in zip(ref, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert (rec.of(b.request_id) - ref_rec.of(a.request_id)).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "Qwen3NextForCausalLM"])  # Qwen3-Next: forks copy state
+def test_sampling_with_n_and_seed_equals_tp1(arch, tmp_path):
+    save_tiny(tmp_path, arch)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, n=3, seed=7, ignore_eos=True)
     outs = {}
     for tp in (1, 2):
@@ -87,9 +106,13 @@ def test_bad_sizes_name_the_problem(tmp_path):
         LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=3)
     with pytest.raises(ValueError, match="enable-expert-parallel"):
         LLM(str(tmp_path), dtype="float32", enable_expert_parallel=True)
-    save_tiny(tmp_path / "next", "Qwen3NextForCausalLM")
+    save_tiny(tmp_path / "next", "Qwen3NextForCausalLM", num_attention_heads=4, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="exceeds the 2 key heads of the linear-attention layers"):
+        LLM(str(tmp_path / "next"), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=3)
+    from resin.models.loader import check_tensor_parallel
+
     with pytest.raises(ValueError, match="does not run under tensor parallelism yet"):
-        LLM(str(tmp_path / "next"), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
+        check_tensor_parallel("NewForCausalLM", type("NewForCausalLM", (), {}))  # a family must say it splits
     ok = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB")  # a failed start left no group behind
     assert ok.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0].error is None
 
@@ -111,9 +134,10 @@ def test_two_node_launch_with_torchrun(text_model, tmp_path):
          "-m", "resin.cli", "-q", *cmd, "--tensor-parallel-size", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for node in (0, 1)]
     results = [p.communicate(timeout=300) for p in launches]
-    for p, (_, err) in zip(launches, results):
-        assert p.returncode == 0, err
-    assert results[0][0] == ref.stdout
+    report = "\n".join(f"node {i}: exit {p.returncode}\n{err}"
+                       for i, (p, (_, err)) in enumerate(zip(launches, results)))
+    assert [p.returncode for p in launches] == [0, 0], report
+    assert results[0][0] == ref.stdout, report
     assert results[1][0] == ""  # rank 1 only runs steps
 
 
@@ -228,3 +252,36 @@ def test_a_raising_rank_ends_the_engine(text_model, tmp_path):
     assert "injected fault in rank 1" in p.stderr
     assert "rank 1 exited with code 1" in p.stderr
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per-tensor", "per-channel"])
+def test_fp8_weights_and_scales_split_together(per_channel, tmp_path):
+    """Static input scales: each rank computes exactly what one rank would for its rows, so TP=2 equals TP=1."""
+    from test_fp8 import _quantize_checkpoint
+
+    save_tiny(tmp_path, "Qwen3ForCausalLM", seed=5, num_attention_heads=9, num_key_value_heads=3, head_dim=8,
+              hidden_size=72)
+    _quantize_checkpoint(tmp_path, per_channel, static=True)
+    ref, ref_rec, (ref_bytes,) = _run(tmp_path, 1)
+    got, rec, rank_bytes = _run(tmp_path, 2)
+    for a, b in zip(ref, got):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert (rec.of(b.request_id) - ref_rec.of(a.request_id)).abs().max().item() <= 1e-4
+    assert max(rank_bytes) < 0.65 * ref_bytes
+
+
+def test_int8_rows_split_with_whole_row_scales(tmp_path):
+    """--quantization int8: a row-split layer's scale is the max over the whole row (all ranks), so the rounding
+    equals one rank's and TP=2 equals TP=1."""
+    save_tiny(tmp_path, "LlamaForCausalLM", seed=3)
+    outs = {}
+    for tp in (1, 2):
+        rec = LogitsRecorder()
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tp,
+                  quantization="int8", logits_observer=rec)
+        outs[tp] = (llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                 use_tqdm=False), rec)
+        llm.shutdown()
+    for a, b in zip(outs[1][0], outs[2][0]):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert (outs[2][1].of(b.request_id) - outs[1][1].of(a.request_id)).abs().max().item() <= 1e-4
