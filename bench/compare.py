@@ -53,7 +53,8 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default=None, help="python of a venv with llama-cpp-python")
     ap.add_argument("--sweep", default="1,4,8,16,32", help="concurrency levels for the plot ('' to skip)")
     ap.add_argument("--engines", default=None,
-                    help="only these engine/dtype keys, comma-separated (e.g. resin-gguf/bfloat16,llamacpp/q4_1)")
+                    help="only these engine/dtype keys, comma-separated (e.g. resin-gguf/bfloat16,llamacpp/q4_1; "
+                         "resin-tp2/bfloat16 adds Resin split over 2 ranks)")
     ap.add_argument("--out", default=str(HERE / "results" / "compare.json"))
     args = ap.parse_args()
 
@@ -77,6 +78,8 @@ def main() -> None:
     if args.llamacpp_python:
         engines.append(("llamacpp", "q4_1", args.llamacpp_python))
 
+    if args.engines and "resin-tp2/bfloat16" in args.engines:  # tensor parallelism on this machine: asked only
+        engines.append(("resin-tp2", "bfloat16", me))
     if args.engines:
         keep = set(args.engines.split(","))
         engines = [e for e in engines if f"{e[0]}/{e[1]}" in keep]

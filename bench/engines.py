@@ -3,6 +3,7 @@
     python bench/engines.py --engine resin --dtype bfloat16 --mode batch --concurrency 32 --prompts p.json
     python bench/engines.py --engine hf --dtype float32 --mode single --prompts p.json
     python bench/engines.py --engine resin-gguf --dtype bfloat16 --mode single --prompts p.json  # packed Q4_1
+    python bench/engines.py --engine resin-tp2 --dtype bfloat16 --mode batch --prompts p.json  # 2 ranks, gloo
 
 Modes: `batch` submits the first --concurrency prompts at once and reports output tokens/s over the whole
 generation (prefill included); `single` reports batch-1 decode tokens/s as (N - 1) / (time(N tokens) - time(1
@@ -25,15 +26,19 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_resin(args, prompts, gguf: bool = False):
+def run_resin(args, prompts, gguf: bool = False, tensor_parallel: int = 1):
     """gguf: the built-in model's own GGUF with its weights kept packed (Q4_1 layers, a Q8_0 embedding);
-    otherwise the dense safetensors folder (weights dequantised once, run in --dtype)."""
+    otherwise the dense safetensors folder (weights dequantised once, run in --dtype). tensor_parallel: ranks
+    (processes) the model is split over, the machine's cores shared between them."""
+    import atexit
+
     from resin import LLM, SamplingParams
 
     model = None if gguf else args.model_dir  # None: the built-in model, read from its GGUF
     llm = LLM(model, dtype=args.dtype, kv_cache_memory="1GiB", max_num_seqs=256,
               quantization="auto" if gguf else "none", max_model_len=args.max_model_len,
-              enable_prefix_caching=not args.no_prefix_caching)
+              enable_prefix_caching=not args.no_prefix_caching, tensor_parallel_size=tensor_parallel)
+    atexit.register(llm.shutdown)
 
     def gen(ps, n):
         outs = llm.generate(ps, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
@@ -106,6 +111,7 @@ def run_vllm(args, prompts):
 
 
 RUNNERS = {"resin": run_resin, "resin-gguf": lambda args, prompts: run_resin(args, prompts, gguf=True),
+           "resin-tp2": lambda args, prompts: run_resin(args, prompts, tensor_parallel=2),
            "hf": run_hf, "llamacpp": run_llamacpp, "vllm": run_vllm}
 
 

@@ -26,6 +26,7 @@ class ParallelGroup:
     device_group: Any = None  # the model's collectives (NCCL/RCCL on GPUs, gloo on a CPU)
     cpu_group: Any = None  # host-side messages: the step inputs rank 0 broadcasts (always gloo)
     expert_parallel: bool = False  # MoE layers place whole experts on ranks instead of splitting each expert
+    host_exchange: Any = None  # CPU ranks of one machine: a shared-memory segment for fast collectives
 
 
 _GROUP = ParallelGroup()

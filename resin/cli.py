@@ -47,6 +47,12 @@ def _sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--seed", type=int, default=None)
 
 
+def exit_now() -> None:
+    from resin.parallel import exit_now as leave
+
+    leave()
+
+
 def _worker_rank(engine_args) -> bool:
     """Under torchrun, every process runs the same command: a rank other than 0 serves steps here and returns
     True once rank 0 stops it."""
@@ -68,7 +74,7 @@ def _llm(args: argparse.Namespace):
                   self_check=args.self_check, quantization=args.quantization,
                   tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel)
     if _worker_rank(EngineArgs(model=args.model, **kwargs)):
-        sys.exit(0)
+        exit_now()
     return LLM(args.model, **kwargs)
 
 
@@ -149,7 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                              quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
                              enable_expert_parallel=args.enable_expert_parallel)
     if _worker_rank(engine_args):
-        return 0
+        exit_now()
     if args.api_key is not None and not args.api_key.strip():
         # An empty key would silently leave the server open: someone meant to protect it.
         raise ValueError("the API key is empty (--api-key or $RESIN_API_KEY): set a real key, or unset it to serve "

@@ -250,7 +250,7 @@ def _build_engine(args: EngineArgs, logits_observer: LogitsObserver | None, work
     channel = None
     if group.world > 1:
         broadcast_ints([num_blocks, max_model_len, args.max_num_seqs, graph_batch, int(check is not None)], 5)
-        channel = StepChannel(group.cpu_group, group.rank)
+        channel = StepChannel(group.cpu_group, group.rank, group.host_exchange)
     config = EngineConfig(
         max_model_len=max_model_len, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,

@@ -18,8 +18,10 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import sys
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from typing import Callable
 
@@ -29,8 +31,11 @@ import torch.distributed as dist
 from resin.hal.distributed import ParallelGroup, parallel, set_parallel
 
 log = logging.getLogger("resin.parallel")
-# A collective that waits longer than this for a peer fails instead of hanging (a peer that died).
+# A device collective (NCCL/RCCL) that waits longer than this for a peer fails instead of hanging. gloo groups
+# carry the step channel, whose receivers wait as long as the server is idle: they get no practical limit (a peer
+# that dies closes its sockets, which fails gloo at once).
 _TIMEOUT = timedelta(seconds=float(os.environ.get("RESIN_DIST_TIMEOUT", "300")))
+_IDLE = timedelta(days=365)
 
 
 def launched_by_torchrun() -> bool:
@@ -52,14 +57,29 @@ def init_group(rank: int, world: int, init_method: str, expert_parallel: bool) -
     backend = _device_backend()
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=_TIMEOUT)
-    cpu_group = dist.new_group(backend="gloo", timeout=_TIMEOUT) if backend != "gloo" else dist.group.WORLD
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=_TIMEOUT if backend != "gloo" else _IDLE)
+    cpu_group = dist.new_group(backend="gloo", timeout=_IDLE) if backend != "gloo" else dist.group.WORLD
     group = ParallelGroup(rank, world, dist.group.WORLD, cpu_group, expert_parallel)
     set_parallel(group)
-    if backend == "gloo":  # the ranks of one machine share its cores
+    if backend == "gloo":  # the ranks of one machine share its cores, and can share memory
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        if local == world:
+            from resin.backends.cpu.shm_collectives import open_exchange
+
+            group = replace(group, host_exchange=open_exchange(group, _broadcast_name))
+            set_parallel(group)
     return group
+
+
+def _broadcast_name(name: str | None) -> str:
+    """Rank 0's short ASCII string on every rank."""
+    data = torch.zeros(128, dtype=torch.uint8)
+    if name is not None:
+        data[:len(name)] = torch.tensor(list(name.encode()), dtype=torch.uint8)
+    dist.broadcast(data, 0, group=parallel().cpu_group)
+    return bytes(data[data != 0].tolist()).decode()
 
 
 def leave_group(together: bool = False) -> None:
@@ -69,6 +89,8 @@ def leave_group(together: bool = False) -> None:
         if together:
             dist.barrier(group=parallel().cpu_group)
         dist.destroy_process_group()
+    if parallel().host_exchange is not None:
+        parallel().host_exchange.close()
     set_parallel(ParallelGroup())
 
 
@@ -204,6 +226,15 @@ def _worker_process(rank: int, world: int, url: str, args, parent: int,
     except BaseException as e:
         errors.send(f"{type(e).__name__}: {e}")  # for rank 0's report; the traceback goes to stderr
         raise
+    exit_now()
+
+
+def exit_now(code: int = 0) -> None:
+    """A rank done with its steps leaves without the interpreter's teardown: destructors of gloo's threads at
+    exit can abort the process ("terminate called without an active exception") under load."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_worker(args) -> None:
@@ -213,5 +244,6 @@ def run_worker(args) -> None:
     from resin.engine_builder import build_worker_runner
 
     runner = build_worker_runner(args)
-    serve_steps(runner, StepChannel(parallel().cpu_group, parallel().rank))
+    g = parallel()
+    serve_steps(runner, StepChannel(g.cpu_group, g.rank, g.host_exchange))
     leave_group(together=True)

@@ -1,6 +1,8 @@
 """Backend selection: the table and its reasons, per-call fallthrough, overrides, and clear errors."""
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
@@ -50,9 +52,13 @@ def test_cpu_selection_table():
     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "quant_linear", "quant_embedding", "argmax"):
         assert [p.name for p in sel.table[name].chain] == cpp + ["native"]
     assert [p.name for p in sel.table["gated_delta_rule"].chain] == ["chunked", "native"]
+    for name in ("all_reduce", "all_gather"):  # x86-64: shared memory between the ranks of one machine
+        shm = ["shm"] if platform.machine() == "x86_64" else []
+        assert [p.name for p in sel.table[name].chain] == shm + ["native"]
     assert all(c.chosen == "native" for name, c in sel.table.items()
                if name not in ("attention", "linear", "rotary", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
-                               "gated_delta_rule", "quant_linear", "quant_embedding", "argmax"))
+                               "gated_delta_rule", "quant_linear", "quant_embedding", "argmax", "all_reduce",
+                               "all_gather"))
     text = sel.format_table()
     assert "gelu_and_mul" in text and "only provider on this backend" in text and "first in priority order" in text
 

@@ -199,8 +199,9 @@ def test_collectives_are_ops_in_the_table():
     from resin.hal import select_backend
 
     table = select_backend("cpu").table
-    assert table["all_reduce"].chosen == "native" and table["all_gather"].chosen == "native"
-    assert torch.equal(table["all_reduce"].chain[0].fn(torch.ones(3)), torch.ones(3))  # one rank: identity
+    for op in ("all_reduce", "all_gather"):  # shared memory first, gloo (native) behind it
+        assert [p.name for p in table[op].chain] == ["shm", "native"]
+    assert torch.equal(table["all_reduce"].chain[-1].fn(torch.ones(3)), torch.ones(3))  # one rank: identity
 
 
 def test_step_broadcast_in_a_real_group(tmp_path):
@@ -222,7 +223,8 @@ def test_step_broadcast_in_a_real_group(tmp_path):
         "    cmd, got = ch.recv(); stop, none = ch.recv()\n"
         "    assert cmd is Command.STEP and stop is Command.STOP and none == []\n"
         "    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(ts, got)), got\n"
-        "dist.destroy_process_group()\n")
+        "dist.barrier(); dist.destroy_process_group()\n"
+        "import os, sys; sys.stdout.flush(); os._exit(0)\n")
     seed = str(int(torch.randint(0, 1 << 30, (1,))))
     procs = [subprocess.Popen([sys.executable, str(script), str(r), seed], stderr=subprocess.PIPE, text=True)
              for r in (0, 1)]
@@ -285,3 +287,34 @@ def test_int8_rows_split_with_whole_row_scales(tmp_path):
     for a, b in zip(outs[1][0], outs[2][0]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert (outs[2][1].of(b.request_id) - outs[1][1].of(a.request_id)).abs().max().item() <= 1e-4
+
+
+def test_gloo_collectives_equal_tp1(tmp_path):
+    """The native collectives (gloo), as between machines: the shared-memory provider forced off."""
+    save_tiny(tmp_path, "Qwen3MoeForCausalLM", seed=11)
+    outs = {}
+    for tp in (1, 2):
+        rec = LogitsRecorder()
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tp,
+                  ops="all_reduce=native,all_gather=native", logits_observer=rec)
+        outs[tp] = (llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                 use_tqdm=False), rec)
+        llm.shutdown()
+    for a, b in zip(outs[1][0], outs[2][0]):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert (outs[2][1].of(b.request_id) - outs[1][1].of(a.request_id)).abs().max().item() <= 1e-4
+
+
+def test_ranks_wait_out_an_idle_engine(tmp_path, monkeypatch):
+    """The other ranks wait for the next step without a time limit (a server may idle for hours), although a
+    collective inside a step has one."""
+    monkeypatch.setenv("RESIN_DIST_TIMEOUT", "1")
+    save_tiny(tmp_path, "LlamaForCausalLM")
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
+    try:
+        first = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+        time.sleep(3)
+        again = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+        assert again.error is None and again.outputs[0].token_ids == first.outputs[0].token_ids
+    finally:
+        llm.shutdown()

@@ -3,13 +3,15 @@
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
 against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused
 norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax, bf16 GEMVs for 1-4 rows, linear layers
-and embedding rows over packed GGUF / int8 weights; built once per machine), then plain-torch providers that serve
+and embedding rows over packed GGUF / int8 weights; built once per machine), tensor-parallel collectives
+through shared memory when the ranks share a machine, then plain-torch providers that serve
 when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor ops), and
 bf16 linear through oneDNN with weights reordered once.
 """
-from resin.backends.cpu import delta_rule, kernels, linear, quant, rotary
+from resin.backends.cpu import delta_rule, kernels, linear, quant, rotary, shm_collectives
 from resin.backends.cpu.attention import CppAttention, CpuAttention
 from resin.hal.attention import ATTENTION
+from resin.hal.distributed import ALL_GATHER, ALL_REDUCE
 from resin.hal.ops import ARGMAX, FUSED_ADD_RMS_NORM, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL
 from resin.hal.quant import QUANT_EMBEDDING, QUANT_LINEAR
 from resin.hal.recurrent import GATED_DELTA_RULE
@@ -29,13 +31,18 @@ SILU_AND_MUL.register("cpp", supported=kernels.supported, supports_args=kernels.
 QUANT_LINEAR.register("cpp", supported=kernels.supported, supports_args=quant.supports_args)(quant.quant_linear)
 QUANT_EMBEDDING.register("cpp", supported=kernels.supported,
                          supports_args=quant.embedding_args)(quant.quant_embedding)
+# tensor-parallel ranks on one machine: collectives through shared memory (gloo's loopback TCP is ~1.4 ms each)
+ALL_REDUCE.register("shm", supported=shm_collectives.supported,
+                    supports_args=shm_collectives.all_reduce_args)(shm_collectives.all_reduce)
+ALL_GATHER.register("shm", supported=shm_collectives.supported,
+                    supports_args=shm_collectives.gather_args)(shm_collectives.all_gather)
 GATED_DELTA_RULE.register("chunked", supports_args=delta_rule.supports_args)(delta_rule.chunked_gated_delta_rule)
 
 BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "linear": ["cpp", "onednn"],
                                          "rms_norm": ["cpp"], "fused_add_rms_norm": ["cpp"],
                                          "rotary": ["cpp", "cpu"], "silu_and_mul": ["cpp"],
                                          "gated_delta_rule": ["chunked"], "quant_linear": ["cpp"], "quant_embedding": ["cpp"],
-                                         "argmax": ["cpp"]},
+                                         "argmax": ["cpp"], "all_reduce": ["shm"], "all_gather": ["shm"]},
                       note="PyTorch on the CPU with Resin's C++ kernels for the per-layer ops (built once per "
                            "machine; plain-torch providers where no compiler is found); bf16 linear through oneDNN "
                            "with prepacked weights; GGUF / int8 weights kept packed (C++ kernels); the gated delta rule in chunked form for prefill")
