@@ -270,7 +270,8 @@ class Embedding(nn.Module):
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits through the table: the lm_head of a model with tied embeddings."""
-        return hal.ALL_GATHER(hal.LINEAR(hidden, self.weight), self.sizes)
+        logits = hal.LINEAR(hidden, self.weight)
+        return logits if parallel().world == 1 else hal.ALL_GATHER(logits, self.sizes)
 
 
 class LMHead(Linear):
@@ -283,7 +284,8 @@ class LMHead(Linear):
         sliced_loader(self.weight, 0, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return hal.ALL_GATHER(hal.LINEAR(x, self.weight), self.sizes)
+        logits = hal.LINEAR(x, self.weight)
+        return logits if parallel().world == 1 else hal.ALL_GATHER(logits, self.sizes)
 
 
 class Rotary(nn.Module):
