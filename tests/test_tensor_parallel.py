@@ -272,37 +272,31 @@ def test_fp8_weights_and_scales_split_together(per_channel, tmp_path):
     assert max(rank_bytes) < 0.65 * ref_bytes
 
 
-def test_int8_rows_split_with_whole_row_scales(tmp_path):
-    """--quantization int8: a row-split layer's scale is the max over the whole row (all ranks), so the rounding
-    equals one rank's and TP=2 equals TP=1."""
-    save_tiny(tmp_path, "LlamaForCausalLM", seed=3)
+def _greedy_tp2_equals_tp1(folder: Path, **engine) -> None:
     outs = {}
     for tp in (1, 2):
         rec = LogitsRecorder()
-        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tp,
-                  quantization="int8", logits_observer=rec)
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tp,
+                  logits_observer=rec, **engine)
         outs[tp] = (llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                  use_tqdm=False), rec)
         llm.shutdown()
     for a, b in zip(outs[1][0], outs[2][0]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert (outs[2][1].of(b.request_id) - outs[1][1].of(a.request_id)).abs().max().item() <= 1e-4
+
+
+def test_int8_rows_split_with_whole_row_scales(tmp_path):
+    """--quantization int8: a row-split layer's scale is the max over the whole row (all ranks), so the rounding
+    equals one rank's and TP=2 equals TP=1."""
+    save_tiny(tmp_path, "LlamaForCausalLM", seed=3)
+    _greedy_tp2_equals_tp1(tmp_path, quantization="int8")
 
 
 def test_gloo_collectives_equal_tp1(tmp_path):
     """The native collectives (gloo), as between machines: the shared-memory provider forced off."""
     save_tiny(tmp_path, "Qwen3MoeForCausalLM", seed=11)
-    outs = {}
-    for tp in (1, 2):
-        rec = LogitsRecorder()
-        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tp,
-                  ops="all_reduce=native,all_gather=native", logits_observer=rec)
-        outs[tp] = (llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                                 use_tqdm=False), rec)
-        llm.shutdown()
-    for a, b in zip(outs[1][0], outs[2][0]):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        assert (outs[2][1].of(b.request_id) - outs[1][1].of(a.request_id)).abs().max().item() <= 1e-4
+    _greedy_tp2_equals_tp1(tmp_path, ops="all_reduce=native,all_gather=native")
 
 
 def test_ranks_wait_out_an_idle_engine(tmp_path, monkeypatch):
