@@ -8,14 +8,21 @@ K/V upcast to fp32 (faster for few sequences). Block gather: advanced indexing v
 rows. Prefill: one padded, masked SDPA call over all sequences vs one causal SDPA call per sequence.
 Paged decode, one layer as the providers run it (KV write included): the plain-torch `cpu` provider (block gather,
 then the matmuls) vs the `cpp` provider (Resin's C++ kernel reading blocks in place).
+Latent attention (MLA, DeepSeek-V2-Lite's 16 heads x (512 latent + 64 rope)), one layer, bf16: the native reference
+(every sequence padded to the longest query and context) vs the `cpu` provider, on decode batches and on a step
+that mixes decodes with a prefill chunk.
 """
 from __future__ import annotations
 
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def bench(fn, n: int = 30) -> float:
@@ -98,8 +105,29 @@ def prefill_paths(lengths: list[int], h: int = 9, hk: int = 3, d: int = 64) -> d
                                                        for q, k in zip(qs, ks)], 5)}
 
 
+def mla_paths(shapes: list[tuple[int, int]], bs: int = 16) -> dict[str, float]:
+    from attention_batches import paged_batch  # tests/: the random paged batches the provider tests use
+    from resin import hal
+    from resin.backends.cpu.mla import CpuMla
+
+    layer = hal.mla_layer(16, 512, 64, 128, 128, 192 ** -0.5)
+    num_blocks = sum(-(-c // bs) for c, _ in shapes) + 4
+    meta, t = paged_batch(shapes, bs, num_blocks)
+    cache = torch.randn(num_blocks, bs, 1, 576).to(torch.bfloat16)
+    q, rows = torch.randn(t, 16 * 576).to(torch.bfloat16), torch.randn(t, 576).to(torch.bfloat16)
+    out = {}
+    for name, cls in (("native_padded", hal.NativeMla), ("cpu_provider", CpuMla)):
+        backend = cls([layer], bs, torch.bfloat16, torch.device("cpu"))
+        backend.plan(meta)
+        out[name] = bench(lambda: backend.forward(0, q, rows, None, cache), 10)
+    return out
+
+
 def main() -> None:
     torch.manual_seed(0)
+    for label, shapes in (("decode B=1 L=1000", [(1000, 1)]), ("decode B=16 L=300", [(300, 1)] * 16),
+                          ("mixed 15 decodes L=300 + 256-token chunk", [(300, 1)] * 15 + [(512, 256)])):
+        print(f"mla {label}", {k: f"{v:.2f} ms" for k, v in mla_paths(shapes).items()})
     for b, length in ((1, 160), (1, 300), (4, 160), (8, 160), (32, 90), (32, 300)):
         print(f"decode  B={b:<3} L={length:<4}", {k: f"{v:.3f} ms" for k, v in decode_paths(b, length).items()})
     for b, length in ((1, 160), (1, 300), (8, 160), (32, 90), (32, 300)):

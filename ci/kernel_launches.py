@@ -120,6 +120,7 @@ class Recorder(TorchDispatchMode):
 _STAND_INS: dict[str, Callable[..., torch.Tensor]] = {
     "linear": lambda x, weight, *args, **kwargs: x.new_zeros(*x.shape[:-1], weight.shape[0]),
     "fp8_linear": lambda x, weight, *args, **kwargs: x.new_zeros(*x.shape[:-1], weight.shape[0]),
+    "block_fp8_linear": lambda x, weight, *args, **kwargs: x.new_zeros(*x.shape[:-1], weight.shape[0]),
     "fused_moe": lambda x, *args, **kwargs: torch.zeros_like(x),
     "gated_delta_rule": lambda q, k, v, *args, **kwargs: torch.zeros_like(v),  # a token-by-token loop
 }
@@ -157,8 +158,9 @@ def _shadow_attention(rec: Recorder, kernel: type[AttentionBackend]) -> type[Att
 
         def forward(self, layer_idx, q, k, v, kv_cache, sinks=None):
             self.kernel.forward(layer_idx, q, k, v, kv_cache, sinks)
-            with rec.native():
-                return q.new_zeros(q.shape[0], self.layers[layer_idx].num_heads * self.layers[layer_idx].head_size)
+            layer = self.layers[layer_idx]
+            with rec.native():  # latent attention returns the latent part of its rows
+                return q.new_zeros(q.shape[0], layer.num_heads * (getattr(layer, "latent_size", 0) or layer.head_size))
     return Shadow
 
 
@@ -169,7 +171,7 @@ def recording_providers(rec: Recorder) -> Iterator[None]:
     chains: dict[str, tuple[Provider, ...]] = {}
     for name, op in all_ops().items():
         kernel = op.providers.get("triton")
-        if name == "attention":
+        if name in ("attention", "mla_attention"):
             fn = _shadow_attention(rec, kernel.fn)
         elif kernel is not None or name in _STAND_INS:
             fn = _shadow(rec, kernel, _STAND_INS.get(name, op.native))

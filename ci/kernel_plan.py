@@ -16,6 +16,7 @@ from resin.ci.kernel_launches import (BLOCK_SIZE, LONG_DECODE, MAX_GRAPH_BATCH, 
 from resin.ci.kernel_shapes import ATTENTION_SHAPES, MODEL_SHAPES, AttentionShape, ModelShape
 from resin.core.graph_runner import DecodeGraphs
 from resin.hal.attention import ATTENTION, ForwardContext
+from resin.hal.mla import attention_op
 from resin.hal.recurrent import RecurrentMetadata
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -35,8 +36,10 @@ class DecodeLaunches:
                 c.torch_per_layer * self.layers + c.torch_outside)
 
 
-def _model(shape: ModelShape, dtype: torch.dtype, fp8_dtype: torch.dtype | None) -> torch.nn.Module:
+def _model(shape: ModelShape, dtype: torch.dtype, fp8_dtype: torch.dtype | None,
+           block: tuple[int, int] | None = None) -> torch.nn.Module:
     from resin.models import MODEL_REGISTRY
+    from resin.models.block_fp8 import BlockFp8Linear, DequantizedWeight
     from resin.models.fp8 import Fp8Config, Fp8Linear, quantize_linears
     from resin.tiny import tiny_hf_config
 
@@ -44,11 +47,13 @@ def _model(shape: ModelShape, dtype: torch.dtype, fp8_dtype: torch.dtype | None)
     cls = MODEL_REGISTRY[shape.arch]
     model = cls(cls.parse_config(config), dtype)
     if fp8_dtype is not None:
-        quantize_linears(model, Fp8Config(static_input=False))
+        quantize_linears(model, Fp8Config(static_input=False, block=block))
         for module in model.modules():  # weights as the loader leaves them: in the arch's fp8 flavour
-            if isinstance(module, Fp8Linear):
+            if isinstance(module, (Fp8Linear, BlockFp8Linear)):
                 module.weight = torch.nn.Parameter(torch.empty(module.weight.shape, dtype=fp8_dtype),
                                                    requires_grad=False)
+            elif isinstance(module, DequantizedWeight):
+                module.finish()
     return model
 
 
@@ -72,16 +77,16 @@ def _kv_caches(attn, layers, num_blocks: int, dtype: torch.dtype) -> list[torch.
 
 
 def _run_model(shape: ModelShape, dtype: torch.dtype, fp8_dtype: torch.dtype | None, rec: Recorder,
-               count_decode: bool) -> StepCount | None:
-    model = _model(shape, dtype, fp8_dtype)
+               count_decode: bool, block: tuple[int, int] | None = None) -> StepCount | None:
+    model = _model(shape, dtype, fp8_dtype, block)
     layers = model.attention_layers
-    attn = ATTENTION(layers, BLOCK_SIZE, dtype, torch.device("cpu"))
+    attn = attention_op(layers)(layers, BLOCK_SIZE, dtype, torch.device("cpu"))
     num_blocks = max(MIXED.num_blocks, LONG_DECODE.num_blocks, MAX_GRAPH_BATCH) + 1
     # recurrent layers: a state slot per sequence of the largest graph bucket, and the padding rows' scratch slot
     states = [layer.allocate(MAX_GRAPH_BATCH + 1, dtype, torch.device("cpu"))
               for layer in getattr(model, "recurrent_layers", [])]
     ctx = ForwardContext([attn], _kv_caches(attn, layers, num_blocks, dtype), states=states)
-    name = f"{shape.name} {_DTYPE_NAMES[dtype] if fp8_dtype is None else 'fp8'}"
+    name = f"{shape.name} {_DTYPE_NAMES[dtype] if fp8_dtype is None else 'fp8 blocks' if block else 'fp8'}"
     count = None
     tags = _LayerTag(model, rec)
     try:
@@ -141,6 +146,8 @@ def record(vendor: str, fp8_dtype: torch.dtype,
                     counts.append(DecodeLaunches(shape.name, shape.layers, count))
             if shape.fp8:
                 _run_model(shape, torch.bfloat16, fp8_dtype, rec, count_decode=False)
+            if shape.block_fp8:
+                _run_model(shape, torch.bfloat16, fp8_dtype, rec, count_decode=False, block=(128, 128))
         for attention in filter(lambda s: wanted(s.name), ATTENTION_SHAPES):
             for dtype in attention.dtypes:
                 _run_attention(attention, dtype, rec)

@@ -27,6 +27,7 @@ class ModelShape:
     layers: int  # the real model's depth (launch counts per decode step are scaled to it)
     dtypes: tuple[torch.dtype, ...] = GPU_DTYPES
     fp8: bool = False  # also run it as a w8a8 fp8 checkpoint (per-channel weights, dynamic per-token inputs)
+    block_fp8: bool = False  # also run it as a block-scale fp8 checkpoint (128x128 weight blocks, DeepSeek's format)
 
 
 def _dense(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, **extra: Any) -> dict[str, Any]:
@@ -44,10 +45,10 @@ MODEL_SHAPES: tuple[ModelShape, ...] = (
     ModelShape("Llama-3.1-8B", "LlamaForCausalLM", _dense(4096, 14336, 32, 8, 128), 32, fp8=True),
     ModelShape("Llama-3.1-70B", "LlamaForCausalLM", _dense(8192, 28672, 64, 8, 128), 80, fp8=True),
     ModelShape("Qwen2.5-7B", "Qwen2ForCausalLM", _dense(3584, 18944, 28, 4, 128), 28),
-    ModelShape("Qwen3-8B", "Qwen3ForCausalLM", _dense(4096, 12288, 32, 8, 128), 36, fp8=True),
+    ModelShape("Qwen3-8B", "Qwen3ForCausalLM", _dense(4096, 12288, 32, 8, 128), 36, fp8=True, block_fp8=True),
     ModelShape("Qwen3-30B-A3B", "Qwen3MoeForCausalLM",
                _dense(2048, 6144, 32, 4, 128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                      mlp_only_layers=[], decoder_sparse_step=1), 48, fp8=True),
+                      mlp_only_layers=[], decoder_sparse_step=1), 48, fp8=True, block_fp8=True),
     ModelShape("Qwen3-235B-A22B", "Qwen3MoeForCausalLM",
                _dense(4096, 12288, 64, 4, 128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536,
                       mlp_only_layers=[], decoder_sparse_step=1), 94),
@@ -71,6 +72,14 @@ MODEL_SHAPES: tuple[ModelShape, ...] = (
                       linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
                       num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
                       mlp_only_layers=[], layer_types=["linear_attention", "full_attention"]), 48, dtypes=BF16_ONLY),
+    # latent attention at DeepSeek's widths (512 latent + 64 rope, 16 heads: also V3's per rank at TP=8), a dense
+    # first layer, then 64 experts (6 active) beside two shared ones
+    ModelShape("DeepSeek-V2-Lite", "DeepseekV2ForCausalLM",
+               _dense(2048, 10944, 16, 16, 64, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64,
+                      qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6,
+                      moe_intermediate_size=1408, n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+                      n_group=1, topk_group=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+               27, dtypes=BF16_ONLY),
 )
 
 

@@ -78,9 +78,15 @@ class CacheLayout:
             kinds.setdefault(group.window, []).extend(group.layers)
         lines = []
         for window, members in kinds.items():
-            per_token = sum(2 * layers[i].num_kv_heads * layers[i].head_size * itemsize for i in members)
+            per_token = sum(layers[i].kv_tensors * layers[i].num_kv_heads * layers[i].head_size * itemsize
+                            for i in members)
             kind = "full attention" if window is None else f"sliding window {window}"
             bound = "" if window is None else f", at most {window - 1 + self.block_size} tokens kept per sequence"
+            expanded = sum(getattr(layers[i], "expanded_kv_size", 0) for i in members) * itemsize
+            if expanded:  # latent attention: say what the latents save over per-head K and V
+                kind = "latent attention (MLA)"
+                bound = (f", {expanded / per_token:.1f}x the tokens K and V expanded to every head would hold "
+                         f"({expanded} bytes/token)")
             lines.append(f"{kind}: {len(members)} layers, {per_token} bytes/token{bound}")
         return lines
 
@@ -98,14 +104,14 @@ def plan_cache_layout(layers: list[AttentionLayer], block_size: int, dtype: torc
         groups = tuple(CacheGroup(window, tuple(members[i:i + k]))
                        for window, members in kinds.items() for i in range(0, len(members), k))
     num_slots = max(len(g.layers) for g in groups)
-    slot_shape: list[tuple[int, int] | None] = [None] * num_slots
+    slot_shape: list[tuple[int, int, int] | None] = [None] * num_slots
     for group in groups:
         for j, i in enumerate(group.layers):
-            shape = (layers[i].num_kv_heads, layers[i].head_size)
+            shape = (layers[i].kv_tensors, layers[i].num_kv_heads, layers[i].head_size)
             if slot_shape[j] not in (None, shape):
                 raise ValueError(f"attention layers of different kinds have different KV shapes ({slot_shape[j]} "
-                                 f"and {shape} as (kv heads, head size)); Resin's shared page pool needs one shape "
-                                 f"per tensor slot")
+                                 f"and {shape} as (tensors, kv heads, head size)); Resin's shared page pool needs "
+                                 f"one shape per tensor slot")
             slot_shape[j] = shape
-    slot_bytes = tuple(2 * block_size * hk * d * itemsize for hk, d in slot_shape)
+    slot_bytes = tuple(n * block_size * hk * d * itemsize for n, hk, d in slot_shape)
     return CacheLayout(groups, block_size, slot_bytes)

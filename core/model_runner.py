@@ -20,8 +20,8 @@ from resin.core.kv_cache_manager import NULL_BLOCK
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
 from resin.core.step_channel import Command, StepChannel, StepInputs
-from resin.hal import (ATTENTION, AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext,
-                       RecurrentMetadata)
+from resin.hal import AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext, RecurrentMetadata
+from resin.hal.mla import attention_op
 from resin.hal.registry import GraphUnsafeError, graph_phase, graph_substitutions
 
 log = logging.getLogger("resin.runner")
@@ -127,8 +127,8 @@ class ModelRunner:
                 log.warning("decode graphs off: capture failed (%s); decode steps run eagerly", e)
                 self.graphs = None
             else:
-                swaps = {**graph_substitutions(),
-                         "attention": (type(self.attn).__name__, type(decode_attns[0]).__name__)}
+                swaps = {**graph_substitutions(), attention_op(model.attention_layers).name:
+                         (type(self.attn).__name__, type(decode_attns[0]).__name__)}
                 swapped = "; ".join(f"{op}: {eager} eagerly, {captured} in graphs"
                                     for op, (eager, captured) in swaps.items() if eager != captured)
                 log.info("captured decode graphs for batch sizes %s in %.1f s%s", self.graphs.buckets,
@@ -149,7 +149,7 @@ class ModelRunner:
     def _group_backends(self, layers: list[AttentionLayer], dtype: torch.dtype,
                         device: torch.device) -> list[AttentionBackend]:
         """One backend per cache group, all of the provider chosen for the whole model."""
-        first = ATTENTION(layers, self.block_size, dtype, device)
+        first = attention_op(layers)(layers, self.block_size, dtype, device)
         if len(self.layout.groups) == 1:
             return [first]
         return [type(first)([layers[i] for i in g.layers], self.block_size, dtype, device)

@@ -19,7 +19,8 @@ import time
 import torch
 
 from resin.core.provider_check import SelfCheckReport, check_calls, check_op, compare, copy_call
-from resin.hal.attention import ATTENTION, AttentionLayer, ForwardContext, NativeAttention, step_metadata
+from resin.hal.attention import AttentionLayer, ForwardContext, step_metadata
+from resin.hal.mla import attention_op
 from resin.hal.recurrent import RecurrentMetadata
 from resin.hal.registry import Op, active_chains, intercept_calls
 
@@ -53,7 +54,7 @@ def _record_calls(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         return op.native(*args, **kwargs)
 
     layers = model.attention_layers
-    attn = NativeAttention(layers, block_size, dtype, device)
+    attn = attention_op(layers).native(layers, block_size, dtype, device)
     q_lens = [block_size + 5, 3]  # ragged: the first sequence ends in a partial block
     per_seq = -(-q_lens[0] // block_size)
     caches = [torch.zeros(attn.kv_cache_shape(2 * per_seq, block_size, layer.num_kv_heads, layer.head_size),
@@ -85,7 +86,8 @@ def _attention_check(cls: type, layer: AttentionLayer, dtype: torch.dtype, devic
                      gen: torch.Generator) -> tuple[float, str | None, str]:
     steps = _attention_steps(block_size, layer)
     per_seq = -(-(steps[-1][1][0] + steps[-1][2][0]) // block_size)  # the first sequence is the longest
-    backends = [cls([layer], block_size, dtype, device), NativeAttention([layer], block_size, dtype, device)]
+    op = attention_op([layer])
+    backends = [cls([layer], block_size, dtype, device), op.native([layer], block_size, dtype, device)]
     caches = [torch.zeros(b.kv_cache_shape(3 * per_seq, block_size, layer.num_kv_heads, layer.head_size),
                           dtype=dtype, device=device) for b in backends]
     tables = torch.arange(3 * per_seq).view(3, per_seq)
@@ -99,8 +101,9 @@ def _attention_check(cls: type, layer: AttentionLayer, dtype: torch.dtype, devic
         outs = []
         for backend, cache in zip(backends, caches):
             backend.plan(meta)
-            outs.append(backend.forward(0, q.clone(), k.clone(), v.clone(), cache, sinks))
-        diff, error, tolerance = compare(outs[0], outs[1], ATTENTION.tolerance)
+            v_in = v.clone() if layer.kv_tensors == 2 else None  # latent attention: values are in the keys
+            outs.append(backend.forward(0, q.clone(), k.clone(), v_in, cache, sinks))
+        diff, error, tolerance = compare(outs[0], outs[1], op.tolerance)
         worst = max(worst, diff)
         if error is not None:
             return worst, f"step with new tokens {q_lens} after {ctx_lens}: {error}", tolerance
@@ -110,7 +113,7 @@ def _attention_check(cls: type, layer: AttentionLayer, dtype: torch.dtype, devic
 def _check_attention(layers: list[AttentionLayer], dtype: torch.dtype, device: torch.device, block_size: int,
                      gen: torch.Generator, report: SelfCheckReport) -> None:
     """The attention provider serving the model's layers, on each distinct layer kind."""
-    check_op("attention", list(dict.fromkeys(layers)),
+    check_op(attention_op(layers).name, list(dict.fromkeys(layers)),
              lambda p, layer: p.supports_args is None or p.supports_args(layers, block_size, dtype, device) is None,
              lambda p, layer: _attention_check(p.fn, layer, dtype, device, block_size, gen), str, report)
 

@@ -4,7 +4,8 @@ from resin.hal.attention import (ATTENTION, AttentionBackend, AttentionLayer, At
                                  NativeAttention,
                                  write_kv)
 from resin.hal.distributed import ALL_GATHER, ALL_REDUCE, ParallelGroup, parallel, set_parallel
-from resin.hal.fp8 import FP8_LINEAR, e4m3fn_to_e4m3fnuz, quantize_fp8
+from resin.hal.fp8 import BLOCK_FP8_LINEAR, FP8_LINEAR, e4m3fn_to_e4m3fnuz, quantize_fp8
+from resin.hal.mla import MLA_ATTENTION, MlaLayer, NativeMla, attention_op, mla_layer
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import (ARGMAX, EMBEDDING, FUSED_ADD_RMS_NORM, GELU_AND_MUL, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL)
 from resin.hal.platform import Platform, detect_kind
@@ -18,9 +19,9 @@ from resin.hal.selection import (BACKENDS, BackendSpec, OpChoice, Selection, Sel
 
 __all__ = [
     "ATTENTION", "AttentionBackend", "AttentionLayer", "AttentionMetadata", "ForwardContext", "NativeAttention",
-    "write_kv",
+    "write_kv", "MLA_ATTENTION", "MlaLayer", "NativeMla", "attention_op", "mla_layer",
     "ALL_GATHER", "ALL_REDUCE", "ParallelGroup", "parallel", "set_parallel",
-    "FP8_LINEAR", "e4m3fn_to_e4m3fnuz", "quantize_fp8", "FUSED_MOE", "MOE_ROUTE",
+    "BLOCK_FP8_LINEAR", "FP8_LINEAR", "e4m3fn_to_e4m3fnuz", "quantize_fp8", "FUSED_MOE", "MOE_ROUTE",
     "CAUSAL_CONV1D", "CAUSAL_CONV1D_UPDATE", "GATED_DELTA_RULE", "RecurrentLayer", "RecurrentMetadata",
     "ARGMAX", "EMBEDDING", "FUSED_ADD_RMS_NORM", "GELU_AND_MUL", "LINEAR", "RMS_NORM", "ROTARY", "SILU_AND_MUL",
     "QUANT_EMBEDDING", "QUANT_LINEAR", "Platform", "detect_kind", "Op", "OpChoice", "Provider", "SelectionError", "all_ops", "rope_cos_sin_cache",

@@ -26,6 +26,11 @@ class AttentionLayer:
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap)
     has_sinks: bool = False  # a learned per-head logit that joins the softmax denominator
 
+    @property
+    def kv_tensors(self) -> int:
+        """Cache tensors per layer: keys and values (a latent-attention layer keeps one, hal/mla.py)."""
+        return 2
+
 
 @dataclass
 class AttentionMetadata:

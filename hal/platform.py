@@ -10,7 +10,7 @@ import torch
 # fp8 flavour per architecture family: gfx942 (MI300) uses the "fnuz" encoding (max 240, 0x80 is NaN).
 _FNUZ_ARCHS = ("gfx940", "gfx941", "gfx942")
 # Optional kernel libraries whose presence decides providers. Import names (PyPI `amd-aiter` imports as aiter).
-OPTIONAL_LIBRARIES = ("triton", "aiter", "flash_attn", "flashinfer")
+OPTIONAL_LIBRARIES = ("triton", "aiter", "flash_attn", "flashinfer", "flash_mla")
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,14 @@ def yarn_attention_factor(s: dict[str, Any], max_positions: int | None = None) -
     return _yarn_mscale(factor)
 
 
+def yarn_softmax_scale(s: dict[str, Any] | None, max_positions: int | None = None) -> float:
+    """DeepSeek's YaRN correction of the softmax scale, applied to every dim of q.k (not only the rotated ones):
+    mscale(factor, mscale_all_dim) squared; 1 without YaRN or without mscale_all_dim."""
+    if _rope_type(s) != "yarn" or not s.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(_yarn_factor(s, max_positions), float(s["mscale_all_dim"])) ** 2
+
+
 def _yarn(inv_freq: torch.Tensor, rot_dim: int, base: float, s: dict[str, Any],
           max_positions: int | None) -> torch.Tensor:
     """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated (divided

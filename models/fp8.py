@@ -4,7 +4,7 @@ loading, convert e4m3fn weights to the platform's flavour after.
 Formats read: compressed-tensors "float-quantized" (llm-compressor's FP8 / FP8_DYNAMIC schemes: per-tensor or
 per-channel weight scales; static per-tensor or dynamic per-token activations) and the `quant_method: fp8`
 per-tensor layout. Tensors: `<proj>.weight` (fp8 e4m3fn), `<proj>.weight_scale`, `<proj>.input_scale` (static).
-Block-wise scales (DeepSeek-V3's `weight_scale_inv` with `weight_block_size`) are refused with a clear error.
+Block-wise scales (DeepSeek-V3's `weight_scale_inv` with `weight_block_size`) are read by models/block_fp8.py.
 Model files do not change: the swap works on any model built from layers.Linear / layers.MergedLinear.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from resin import hal
+from resin.models.block_fp8 import finish_block_fp8, quantize_block_fp8
 from resin.models.layers import Linear, MergedLinear, reduce_rows, take
 
 
@@ -25,6 +26,7 @@ class Fp8Config:
     static_input: bool  # a checkpoint input_scale per layer; else per-token scales computed at run time
     ignore: tuple[str, ...] = ()  # module names (or "re:<regex>") left unquantised
     per_channel: bool = False  # informational: scales are stored per output channel either way
+    block: tuple[int, int] | None = None  # block-scale fp8: (rows, columns) of weights that share one scale
 
     def ignores(self, name: str) -> bool:
         for pattern in self.ignore:
@@ -61,9 +63,14 @@ def parse_quant_config(hf_config: dict[str, Any], mxfp4_reader: bool = False) ->
         return Fp8Config(static_input=not a.get("dynamic", False), ignore=tuple(qc.get("ignore") or ()),
                          per_channel=w["strategy"] == "channel")
     if method == "fp8":
-        if qc.get("weight_block_size"):
-            raise ValueError("block-wise fp8 (weight_block_size, weight_scale_inv) is not supported; per-tensor "
-                             "and per-channel fp8 checkpoints are")
+        block = qc.get("weight_block_size")
+        if block:
+            if len(block) != 2 or qc.get("activation_scheme", "dynamic") != "dynamic":
+                raise ValueError(f"block-wise fp8 with weight_block_size {block} and activation_scheme "
+                                 f"{qc.get('activation_scheme')!r}: Resin reads [rows, columns] blocks with dynamic "
+                                 f"per-token-group activations (DeepSeek-V3's layout)")
+            return Fp8Config(static_input=False, ignore=tuple(qc.get("modules_to_not_convert") or ()),
+                             block=(int(block[0]), int(block[1])))
         return Fp8Config(static_input=qc.get("activation_scheme", "dynamic") == "static",
                          ignore=tuple(qc.get("modules_to_not_convert") or ()))
     raise ValueError(f"quantization method {method!r} is not supported; Resin loads fp8 (compressed-tensors "
@@ -179,7 +186,10 @@ def quantize_linears(model: nn.Module, config: Fp8Config) -> list[str]:
     # lm_head stays in the model dtype (fp8 checkpoints leave it unquantised too)
     targets = [(name, module) for name, module in model.named_modules()
                if isinstance(module, (Linear, MergedLinear)) and name != "lm_head"
-               and not _ignored(model, name, config)]
+               and not (config.block and getattr(module, "router", False)) and not _ignored(model, name, config)]
+    if config.block:
+        quantize_block_fp8(model, config.block, targets)
+        return [name for name, _ in targets]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -188,6 +198,7 @@ def quantize_linears(model: nn.Module, config: Fp8Config) -> list[str]:
 
 
 def convert_after_loading(model: nn.Module, fp8_dtype: torch.dtype | None) -> None:
+    finish_block_fp8(model, fp8_dtype)
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.to_fp8_flavour(fp8_dtype)

@@ -18,6 +18,7 @@ from resin import hal
 from resin.hal.distributed import parallel, rank_range, split_range
 from resin.models.layers import Linear, default_loader, param
 from resin.models.llama import DecoderConfig, DecoderLayer, LlamaForCausalLM
+from resin.models.moe import MoeSpec
 from resin.models.mxfp4 import dequantize_mxfp4
 
 
@@ -103,9 +104,9 @@ class GptOssExperts(nn.Module):
 class GptOssMoe(nn.Module):
     def __init__(self, cfg: GptOssConfig, dtype: torch.dtype):
         super().__init__()
-        self.top_k, self.alpha, self.limit = cfg.experts_per_token, cfg.swiglu_alpha, cfg.swiglu_limit
-        self.router = Linear(cfg.hidden_size, cfg.num_experts, bias=True, dtype=dtype)
-        self.experts = GptOssExperts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.mxfp4, dtype)
+        self.top_k, self.alpha, self.limit = cfg.moe.top_k, cfg.swiglu_alpha, cfg.swiglu_limit
+        self.router = Linear(cfg.hidden_size, cfg.moe.num_experts, bias=True, dtype=dtype)
+        self.experts = GptOssExperts(cfg.hidden_size, cfg.moe.intermediate_size, cfg.moe.num_experts, cfg.mxfp4, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # softmax over the top k logits = softmax over all, renormalised over the top k
@@ -139,8 +140,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def parse_config(cls, c: dict[str, Any]) -> "GptOssConfig":
         bias = c.get("attention_bias", True)
         return GptOssConfig.from_hf(
-            c, qkv_bias=bias, o_bias=bias, attention_sinks=True, num_experts=c["num_local_experts"],
-            experts_per_token=c["num_experts_per_tok"], moe_intermediate_size=c["intermediate_size"],
+            c, qkv_bias=bias, o_bias=bias, attention_sinks=True,
+            moe=MoeSpec(c["num_local_experts"], c["num_experts_per_tok"], c["intermediate_size"], True),
             swiglu_alpha=float(c.get("swiglu_alpha", 1.702)), swiglu_limit=float(c.get("swiglu_limit", 7.0)),
             mxfp4=(c.get("quantization_config") or {}).get("quant_method") == "mxfp4")
 

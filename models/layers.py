@@ -58,6 +58,18 @@ class Linear(nn.Module):
         return hal.LINEAR(x, self.weight, self.bias)
 
 
+class DenseWeight(nn.Module):
+    """A weight the model uses as a tensor, never through a GEMM op (MLA's kv_b_proj, split and absorbed): rows
+    part = (start, size) of the checkpoint's. A quantised checkpoint's copy is dequantised on load
+    (models/block_fp8.py)."""
+
+    def __init__(self, cols: int, part: tuple[int, int], dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.part = part
+        self.weight = param(part[1], cols, dtype=dtype)
+        sliced_loader(self.weight, 0, part)
+
+
 class MergedLinear(Linear):
     """Column-parallel: one or several projections of the same input stacked into one weight, each split over the
     ranks by output rows. parts[i] = (start, size): the rows of projection i this rank holds (default: an even
@@ -166,66 +178,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
-class SparseMoe(nn.Module):
-    """A mixture-of-experts MLP: a router picks top_k experts per token (MOE_ROUTE, softmax scoring), the experts
-    run fused (FUSED_MOE). Expert weights are stacked: w13 (E, 2I, H) = [gate | up] rows, w2 (E, H, I); each
-    checkpoint tensor loads into its slice, shard ("gate" | "up", expert) or expert.
-
-    Under tensor parallelism every rank holds every expert's slice of the intermediate size; with expert
-    parallelism, whole experts [first, first + count) and routes the others' tokens nowhere (weight 0). Either way
-    one all-reduce sums the ranks' parts."""
-
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, renormalize: bool,
-                 act: str = "silu", dtype: torch.dtype = torch.float32):
-        super().__init__()
-        self.top_k, self.renormalize = top_k, renormalize
-        if act not in ("silu", "swish", "gelu"):
-            raise ValueError(f"MoE hidden_act {act!r} is not supported; supported: silu, gelu")
-        self.act = "gelu" if act == "gelu" else "silu"
-        g = parallel()
-        if g.expert_parallel:
-            self.experts, self.inter_part = split_range(num_experts, g.world, g.rank), (0, inter)
-        else:
-            self.experts, self.inter_part = (0, num_experts), rank_range(inter)
-        first, count = self.experts
-        inter_local = self.inter_part[1]
-        self.gate = Linear(hidden, num_experts, dtype=dtype)
-        self.w13 = param(count, 2 * inter_local, hidden, dtype=dtype)
-        self.w13.weight_loader = self._load_w13
-        self.w13.shards = [(which, e) for e in range(first, first + count) for which in ("gate", "up")]
-        self.w2 = param(count, hidden, inter_local, dtype=dtype)
-        self.w2.weight_loader = self._load_w2
-        self.w2.shards = list(range(first, first + count))
-        self.w13.reads_slices = self.w2.reads_slices = True
-
-    def _local(self, expert: int) -> int | None:
-        first, count = self.experts
-        return expert - first if first <= expert < first + count else None
-
-    def _load_w13(self, param: nn.Parameter, tensor: Any, shard: tuple[str, int]) -> None:
-        which, expert = shard
-        e, size = self._local(expert), self.inter_part[1]
-        if e is not None:  # another rank's expert: never read
-            default_loader(param.data[e].narrow(0, 0 if which == "gate" else size, size),
-                           take(tensor, 0, *self.inter_part))
-
-    def _load_w2(self, param: nn.Parameter, tensor: Any, expert: int) -> None:
-        e = self._local(expert)
-        if e is not None:
-            default_loader(param.data[e], take(tensor, 1, *self.inter_part))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = hal.MOE_ROUTE(self.gate(x), self.top_k, "softmax", self.renormalize)
-        if parallel().world == 1:
-            return hal.FUSED_MOE(x, self.w13, self.w2, weights, ids, self.act)
-        first, count = self.experts
-        if count != self.gate.weight.shape[0]:
-            # other ranks' experts: routed to local expert 0 with weight 0 (computed, then weighed out)
-            mine = (ids >= first) & (ids < first + count)
-            ids, weights = torch.where(mine, ids - first, 0), torch.where(mine, weights, 0)
-        return hal.ALL_REDUCE(hal.FUSED_MOE(x, self.w13, self.w2, weights, ids, self.act))
 
 
 class RMSNorm(nn.Module):

@@ -1,12 +1,11 @@
 """Llama-style decoders: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias), Qwen3ForCausalLM (q/k RMSNorm), and
-their mixture-of-experts variants MixtralForCausalLM and Qwen3MoeForCausalLM.
+their mixture-of-experts variants MixtralForCausalLM, Qwen3MoeForCausalLM and Qwen2MoeForCausalLM.
 
 Pure architecture over HAL ops: GQA with an explicit head_dim, fused q/k/v and gate/up projections, tied or
 untied embeddings, rope scaling as the config gives it, sparse MoE MLPs on the layers the config names.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +13,9 @@ import torch
 from torch import nn
 
 from resin import hal
-from resin.models.layers import (Embedding, GatedMLP, LMHead, QKVLinear, RMSNorm, Rotary, RowLinear, SparseMoe,
-                                 param, sliced_loader)
+from resin.models.layers import (Embedding, GatedMLP, LMHead, QKVLinear, RMSNorm, Rotary, RowLinear, param,
+                                 sliced_loader)
+from resin.models.moe import MoeSpec, expert_checkpoint_name, make_moe
 
 
 @dataclass
@@ -39,12 +39,12 @@ class DecoderConfig:
     qk_norm: bool = False
     attention_sinks: bool = False  # a learned per-head logit in every softmax (GPT-OSS)
     sliding_windows: tuple[int | None, ...] = ()  # per layer; empty means full attention everywhere
-    # mixture of experts: which layers have a sparse MoE MLP instead of the dense one (empty: none)
+    rot_dim: int | None = None  # rotary dims of a head (partial rotary); None: all of head_dim
+    rope_neox: bool = True  # rotate the two halves of the rotary dims; False: interleaved pairs (GPT-J style)
+    # mixture of experts: which layers have a sparse MoE MLP instead of the dense one (empty: none), and its router
     moe_layers: tuple[bool, ...] = ()
-    num_experts: int = 0
-    experts_per_token: int = 0
-    moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
+    moe: MoeSpec | None = None
+    shared_experts_name: str = "shared_expert"  # the checkpoint's module name for the shared experts
 
     @classmethod
     def from_hf(cls, c: dict[str, Any], **family: Any) -> "DecoderConfig":
@@ -63,6 +63,9 @@ class DecoderConfig:
             max_position_embeddings=c.get("max_position_embeddings", 4096),
             tie_word_embeddings=c.get("tie_word_embeddings", False), hidden_act=c.get("hidden_act", "silu"),
             sliding_windows=windows, **family)
+
+    def is_moe(self, layer_idx: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer_idx]
 
 
 class Attention(nn.Module):
@@ -98,18 +101,19 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention: type[nn.Module] = Attention
+
     def __init__(self, cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, dtype, rotary)
+        self.self_attn = self.attention(cfg, layer_idx, dtype, rotary)
         self.mlp = self.make_mlp(cfg, layer_idx, dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     @staticmethod
     def make_mlp(cfg: DecoderConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
-        if cfg.moe_layers and cfg.moe_layers[layer_idx]:
-            return SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.experts_per_token,
-                             cfg.norm_topk_prob, cfg.hidden_act, dtype)
+        if cfg.is_moe(layer_idx):
+            return make_moe(cfg.hidden_size, cfg.moe, cfg.hidden_act, dtype, cfg.shared_experts_name)
         return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias, dtype)
 
     def forward(self, x, residual, positions, ctx):
@@ -127,7 +131,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype)
         # a table of max_position_embeddings x head_dim floats: built once, not per layer
-        rotary = Rotary(cfg.head_dim, cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rotary = Rotary(cfg.head_dim, cfg.rot_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                        cfg.rope_scaling, cfg.rope_neox)
         self.layers = nn.ModuleList(layer_cls(cfg, i, dtype, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -183,49 +188,50 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         return DecoderConfig.from_hf(c, qkv_bias=bias, o_bias=bias, qk_norm=True)
 
 
-def expert_slice(pattern: re.Pattern, name: str, mlp: str, gate: str, up: str) -> tuple[str, Any] | None:
-    """A per-expert checkpoint tensor (pattern groups: prefix, expert, projection) -> its slice of SparseMoe's
-    stacked weights: w13 shard (gate | up, expert) or w2 shard expert. `mlp` is the MoE module under prefix."""
-    m = pattern.fullmatch(name)
-    if m is None:
-        return None
-    prefix, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-    if proj not in (gate, up):
-        return f"{prefix}{mlp}.w2", expert
-    return f"{prefix}{mlp}.w13", ("gate" if proj == gate else "up", expert)
-
-
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """Qwen3 with sparse MoE MLPs on every decoder_sparse_step-th layer not in mlp_only_layers."""
-    _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
     @classmethod
     def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
         cfg = super().parse_config(c)
-        step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
-        experts = c.get("num_experts", c.get("num_local_experts", 0))  # transformers 5 writes the latter
-        cfg.moe_layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
-        cfg.num_experts, cfg.experts_per_token = experts, c["num_experts_per_tok"]
-        cfg.moe_intermediate_size, cfg.norm_topk_prob = c["moe_intermediate_size"], c.get("norm_topk_prob", False)
-        return cfg
+        return qwen_moe_layers(cfg, c)
 
     def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
-        """Per-expert checkpoint tensors -> slices of the stacked expert weights."""
-        return expert_slice(self._EXPERT, name, "", "gate_proj", "up_proj")
+        """Per-expert checkpoint tensors -> slices of the stacked expert weights (and the router, beside them
+        when there are shared experts)."""
+        return expert_checkpoint_name(name, shared=bool(self.config.moe.shared_intermediate_size))
+
+
+def qwen_moe_layers(cfg: DecoderConfig, c: dict[str, Any]) -> DecoderConfig:
+    """Qwen-MoE placement and router: experts on every decoder_sparse_step-th layer not in mlp_only_layers,
+    softmax scoring; a shared expert behind a sigmoid gate where shared_expert_intermediate_size says so."""
+    step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
+    experts = c.get("num_experts", c.get("num_local_experts", 0))  # transformers 5 writes the latter
+    cfg.moe_layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(cfg.num_layers))
+    shared = c.get("shared_expert_intermediate_size") or 0
+    cfg.moe = MoeSpec(experts, c["num_experts_per_tok"], c["moe_intermediate_size"], c.get("norm_topk_prob", False),
+                      shared_intermediate_size=shared, shared_gate=shared > 0)
+    return cfg
+
+
+class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen2 (q/k/v bias, no q/k norm) with sparse MoE MLPs and a gated shared expert."""
+
+    @classmethod
+    def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
+        return qwen_moe_layers(DecoderConfig.from_hf(c, qkv_bias=True), c)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     """Llama with a sparse MoE MLP (block_sparse_moe: experts w1 gate, w3 up, w2 down) on every layer; routing
     weights always renormalised over the top k."""
-    _EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
     gguf_permutes_qk = True
 
     @classmethod
     def parse_config(cls, c: dict[str, Any]) -> DecoderConfig:
         cfg = DecoderConfig.from_hf(c)
         cfg.moe_layers = (True,) * cfg.num_layers
-        cfg.num_experts, cfg.experts_per_token = c["num_local_experts"], c["num_experts_per_tok"]
-        cfg.moe_intermediate_size, cfg.norm_topk_prob = c["intermediate_size"], True
+        cfg.moe = MoeSpec(c["num_local_experts"], c["num_experts_per_tok"], c["intermediate_size"], True)
         if c.get("sliding_window") and not c.get("layer_types"):
             cfg.sliding_windows = (c["sliding_window"],) * cfg.num_layers
         return cfg
@@ -235,6 +241,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return [name, name.replace(".mlp.", ".block_sparse_moe.")] if ".mlp." in name else [name]
 
     def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
-        if ".block_sparse_moe.gate." in name:
-            return name.replace(".block_sparse_moe.", ".mlp."), None
-        return expert_slice(self._EXPERT, name, ".mlp", "w1", "w3")
+        if ".block_sparse_moe." not in name:
+            return None
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        return expert_checkpoint_name(name, shared=False, names=("w1", "w3", "w2")) or (name, None)

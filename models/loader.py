@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -15,6 +16,8 @@ from resin.models import resolve_architecture
 from resin.models.fp8 import convert_after_loading, parse_quant_config, quantize_linears
 from resin.models.gguf_loader import GgufCheckpoint
 from resin.models.quantized import pack_gguf_layers, quantize_int8
+
+log = logging.getLogger("resin.loader")
 
 
 @dataclass
@@ -110,9 +113,15 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, Any]]) -> None:
     dtype (fp8 and packed weights as stored)."""
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str]] = getattr(model, "packed_modules", {})
+    ignore = getattr(model, "ignored_checkpoint_tensor", None)  # name -> why the family leaves it out, or None
     loaded: set[str] = set()
+    ignored: dict[str, int] = {}
     for name, tensor in tensors:
         if "rotary_emb" in name:
+            continue
+        reason = ignore(name) if ignore is not None else None
+        if reason is not None:
+            ignored[reason] = ignored.get(reason, 0) + 1
             continue
         if name.startswith("lm_head.") and "lm_head.weight" not in params:
             continue  # tied embeddings: the checkpoint may still carry a copy
@@ -130,6 +139,8 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, Any]]) -> None:
     for pname, param in params.items():
         shards = getattr(param, "shards", None)  # a parameter filled from several checkpoint tensors
         expected.update(f"{pname}:{s}" for s in shards) if shards else expected.add(pname)
+    for reason, count in ignored.items():
+        log.warning("%d checkpoint tensor(s) not loaded: %s", count, reason)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:4]}")

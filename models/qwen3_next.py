@@ -7,7 +7,6 @@ state; the core gives each running sequence a slot of both (hal.RecurrentLayer d
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +16,9 @@ from torch import nn
 
 from resin import hal
 from resin.hal.distributed import parallel, split_range
-from resin.models.layers import (Embedding, GatedMLP, Linear, LMHead, MergedLinear, RMSNorm, Rotary, RowLinear,
-                                 SparseMoe, default_loader, head_shard, param, sliced_loader)
-from resin.models.llama import expert_slice
+from resin.models.layers import (Embedding, GatedMLP, LMHead, MergedLinear, RMSNorm, Rotary, RowLinear,
+                                 default_loader, head_shard, param, sliced_loader)
+from resin.models.moe import MoeSpec, SharedExpertMoe, expert_checkpoint_name
 
 _NORM_OFFSET = 1.0  # zero-centred RMSNorm: the checkpoint stores w of the scale 1 + w
 
@@ -48,11 +47,7 @@ class Qwen3NextConfig:
     linear_v_dim: int
     conv_width: int
     moe_layers: tuple[bool, ...]
-    num_experts: int
-    experts_per_token: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    norm_topk_prob: bool
+    moe: MoeSpec  # routed experts and a gated shared expert
 
     @classmethod
     def from_hf(cls, c: dict[str, Any]) -> "Qwen3NextConfig":
@@ -79,10 +74,9 @@ class Qwen3NextConfig:
             linear_k_dim=c["linear_key_head_dim"], linear_v_dim=c["linear_value_head_dim"],
             conv_width=c["linear_conv_kernel_dim"],
             moe_layers=tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(layers)),
-            num_experts=experts, experts_per_token=c.get("num_experts_per_tok", 0),
-            moe_intermediate_size=c.get("moe_intermediate_size", 0),
-            shared_expert_intermediate_size=c.get("shared_expert_intermediate_size", 0),
-            norm_topk_prob=c.get("norm_topk_prob", True))
+            moe=MoeSpec(experts, c.get("num_experts_per_tok", 0), c.get("moe_intermediate_size", 0),
+                        c.get("norm_topk_prob", True),
+                        shared_intermediate_size=c.get("shared_expert_intermediate_size", 0), shared_gate=True))
 
 
 class GatedAttention(nn.Module):
@@ -190,20 +184,6 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, self.hv * self.dv))
 
 
-class SharedExpertMoe(nn.Module):
-    """Routed experts plus one shared expert whose output is scaled by sigmoid of its own gate."""
-
-    def __init__(self, cfg: Qwen3NextConfig, dtype: torch.dtype):
-        super().__init__()
-        self.experts = SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.experts_per_token,
-                                 cfg.norm_topk_prob, cfg.hidden_act, dtype)
-        self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, cfg.hidden_act, dtype=dtype)
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x) + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-
-
 class Qwen3NextDecoderLayer(nn.Module):
     def __init__(self, cfg: Qwen3NextConfig, layer_idx: int, mixer_idx: int, dtype: torch.dtype, rotary: Rotary):
         super().__init__()
@@ -213,7 +193,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(cfg, mixer_idx, dtype, rotary)
         if cfg.moe_layers[layer_idx]:
-            self.mlp = SharedExpertMoe(cfg, dtype)
+            self.mlp = SharedExpertMoe(cfg.hidden_size, cfg.moe, cfg.hidden_act, dtype)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype=dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, weight_offset=_NORM_OFFSET)
@@ -254,7 +234,6 @@ class Qwen3NextForCausalLM(nn.Module):
     tensor_parallel = True  # every weight is split over tensor-parallel ranks (models/layers.py)
     packed_modules = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                       "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
-    _EXPERT = re.compile(r"(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
     @classmethod
     def parse_config(cls, c: dict[str, Any]) -> Qwen3NextConfig:
@@ -271,9 +250,7 @@ class Qwen3NextForCausalLM(nn.Module):
 
     def checkpoint_name(self, name: str) -> tuple[str, Any] | None:
         """The router lives beside the stacked experts in Resin (SparseMoe), per-expert tensors stack into it."""
-        if ".mlp.gate." in name:
-            return name.replace(".mlp.gate.", ".mlp.experts.gate."), None
-        return expert_slice(self._EXPERT, name, ".experts", "gate_proj", "up_proj")
+        return expert_checkpoint_name(name, shared=True)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: hal.ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

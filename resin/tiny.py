@@ -14,11 +14,38 @@ TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_lay
             tie_word_embeddings=False)
 
 
+_DEEPSEEK_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}
+
 # mixture-of-experts families: few small experts, top-2 (intermediate_size is the expert size for Mixtral)
 TINY_FAMILY = {
     "MixtralForCausalLM": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=32),
     "Qwen3MoeForCausalLM": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                                 decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True),
+    # a gated shared expert beside 6 routed ones, weights not renormalised
+    "Qwen2MoeForCausalLM": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, decoder_sparse_step=1, mlp_only_layers=[1],
+                                norm_topk_prob=False),
+    # one dense layer, then sigmoid routing over 4 groups of 2 experts (best 2 groups), a correction bias, scaled
+    # weights and a shared expert; q/k norm, q/k/v bias, half of each head rotated
+    "Glm4MoeForCausalLM": dict(num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                               moe_intermediate_size=32, n_group=4, topk_group=2, first_k_dense_replace=1,
+                               n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                               use_qk_norm=True, attention_bias=True),
+    # latent attention: query through a rank-32 bottleneck, a 24-wide latent + 8 rotary dims cached per token
+    # (against 4 heads x (16 + 8 + 12) expanded), YaRN with DeepSeek's mscale past 64 positions; one dense layer,
+    # then sigmoid routing over 4 groups of 2 experts with a correction bias, scaled, and a shared expert
+    "DeepseekV3ForCausalLM": dict(num_hidden_layers=3, num_key_value_heads=4, head_dim=8, q_lora_rank=32,
+                                  kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_group=4,
+                                  topk_group=2, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                                  norm_topk_prob=True, rope_parameters=_DEEPSEEK_YARN),
+    # V2-Lite's shape: no query bottleneck; softmax routing, group-limited greedy, weights not renormalised
+    "DeepseekV2ForCausalLM": dict(num_hidden_layers=3, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=24,
+                                  qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, n_group=4, topk_group=2,
+                                  topk_method="group_limited_greedy", first_k_dense_replace=1, n_shared_experts=2,
+                                  routed_scaling_factor=1.5, norm_topk_prob=False, rope_parameters=_DEEPSEEK_YARN),
     # sliding-window families: windows shorter than the test prompts, soft-caps low enough to bend the logits
     "Gemma2ForCausalLM": dict(sliding_window=12, query_pre_attn_scalar=32, attn_logit_softcapping=4.0,
                               final_logit_softcapping=3.0),
@@ -64,6 +91,9 @@ def random_hf_model(cfg, seed: int = 0):
         for p in model.parameters():
             if p.dim() >= 1 and p.shape[0] > 1:
                 p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # zeros at init: make it move the experts chosen
+                b.copy_(torch.rand_like(b) * 0.2)
     return model
 
 

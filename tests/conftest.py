@@ -19,7 +19,9 @@ KERNEL_DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 ARCHS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-         "Qwen3NextForCausalLM", "GptOssForCausalLM")
+         "Qwen3NextForCausalLM", "GptOssForCausalLM", "Qwen2MoeForCausalLM", "Glm4MoeForCausalLM",
+         "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+MLA_ARCHS = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")  # their shapes: test_mla_models
 RECURRENT_ARCHS = ("Qwen3NextForCausalLM",)  # prefix caching is off for these (recurrent state per sequence)
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

@@ -7,7 +7,7 @@ import torch
 from resin import hal
 from resin.backends.cpu.attention import CpuAttention
 
-from attention_batches import head_major_vs_native
+from attention_batches import head_major_vs_native, paged_batch
 
 pytestmark = pytest.mark.kernels
 
@@ -76,3 +76,30 @@ def test_prefill_chunk_after_a_prefix_matches_native(dtype, tol, shapes):
     their log-sum-exps: a 1-token prefix, a chunk 4x shorter than its prefix, beside a decode row."""
     layer = hal.AttentionLayer(9, 3, 64, scale=64 ** -0.5)
     assert head_major_vs_native(CpuAttention, layer, shapes, dtype, block_size=16, num_blocks=128) <= tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("shapes", [
+    [(9, 1), (6, 6), (23, 7), (1, 1), (40, 1)],  # decodes and prefill chunks mixed
+    [(5, 1), (17, 1), (33, 1), (2, 1), (8, 1), (30, 1)],  # decode only, past the fp32 batch
+    [(13, 13), (29, 5)],  # prefill only, one chunk after cached context
+])
+def test_cpu_latent_attention_matches_native(dtype, tol, shapes):
+    """The latent (MLA) cache is the same layout for both: the caches must end equal (the row write) and the
+    outputs agree, per (token, head), to the dtype's rounding."""
+    from resin.backends.cpu.mla import CpuMla
+
+    layer = hal.mla_layer(6, 40, 8, 16, 16, scale=24 ** -0.5)
+    meta, t = paged_batch(shapes, 4, 64)
+    cache = torch.randn(64, 4, 1, 48).to(dtype)
+    q, rows = torch.randn(t, 6 * 48).to(dtype), torch.randn(t, 48).to(dtype)
+    outs, caches = [], []
+    for cls in (hal.NativeMla, CpuMla):
+        backend, mine = cls([layer], 4, dtype, torch.device("cpu")), cache.clone()
+        assert backend.kv_cache_shape(64, 4, 1, 48) == cache.shape
+        backend.plan(meta)
+        outs.append(backend.forward(0, q, rows, None, mine).float())
+        caches.append(mine)
+    assert torch.equal(caches[0], caches[1])
+    assert outs[1].shape == (t, 6 * 40)
+    assert (outs[1] - outs[0]).abs().max().item() <= tol

@@ -185,3 +185,89 @@ def test_aiter_delta_rule_adapter_maps_slots_heads_and_states(monkeypatch):
     sel = hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"aiter", "triton"}))
     choice = sel.table["gated_delta_rule"]
     assert choice.chosen == "aiter" and choice.chosen_in_graphs == "triton"
+
+
+def _latent_attention(q: torch.Tensor, rows: torch.Tensor, scale: float, latent: int) -> torch.Tensor:
+    """One query token (H, D) against one sequence's cached rows (L, D): the MLA contract the libraries document."""
+    probs = torch.softmax(q.float() @ rows.float().T * scale, dim=-1)
+    return (probs @ rows[:, :latent].float()).to(q.dtype)
+
+
+def _fake_aiter_mla(calls: list):
+    def mla_decode_fwd(*, q, kv_buffer, o, qo_indptr, kv_indptr, kv_indices, kv_last_page_lens, max_seqlen_q,
+                       sm_scale):
+        assert kv_buffer.shape[1:3] == (1, 1) and max_seqlen_q == 1 and (kv_last_page_lens == 1).all()
+        calls.append(kv_indices.clone())
+        rows = kv_buffer.view(-1, kv_buffer.shape[-1])
+        for b in range(qo_indptr.shape[0] - 1):
+            tokens = kv_indices[kv_indptr[b]:kv_indptr[b + 1]].long()
+            o[qo_indptr[b]] = _latent_attention(q[qo_indptr[b]], rows[tokens], sm_scale, o.shape[-1])
+    return types.SimpleNamespace(mla_decode_fwd=mla_decode_fwd)
+
+
+def _fake_flash_mla(calls: list):
+    def get_mla_metadata(seq_lens, heads_per_kv_head, kv_heads):
+        assert seq_lens.dtype == torch.int32 and kv_heads == 1
+        return torch.zeros(1), torch.zeros(seq_lens.shape[0] + 1, dtype=torch.int32)
+
+    def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_metadata, num_splits,
+                               softmax_scale, causal):
+        assert k_cache.shape[1] == 64 and q.shape[1] == 1 and causal
+        calls.append(block_table.clone())
+        out = q.new_empty(q.shape[0], 1, q.shape[2], head_dim_v)
+        for b in range(q.shape[0]):
+            rows = k_cache[block_table[b].long()].reshape(-1, k_cache.shape[-1])[:cache_seqlens[b]]
+            out[b, 0] = _latent_attention(q[b, 0], rows, softmax_scale, head_dim_v)
+        return out, None
+    return types.SimpleNamespace(get_mla_metadata=get_mla_metadata, flash_mla_with_kvcache=flash_mla_with_kvcache)
+
+
+@pytest.mark.parametrize("library", ["aiter", "flashmla"])
+def test_mla_library_adapters_pass_each_sequences_rows(monkeypatch, library):
+    """aiter (page size 1: token slots listed per sequence) and FlashMLA (64-token pages through the block table),
+    each faked by its documented contract, must give native's output on a decode step from a paged cache with
+    scattered pages; a mixed step goes to the Triton kernel (interpreted here) and matches native too. What they
+    decline is named."""
+    from attention_batches import paged_batch
+    from conftest import KERNEL_DEVICE
+    from resin.backends.cuda import flashmla
+    from resin.backends.rocm.aiter import mla as aiter_mla
+    from resin.backends.triton.mla import TritonMla
+
+    calls: list = []
+    if library == "aiter":
+        monkeypatch.setattr(aiter_mla, "aiter_module", lambda name: _fake_aiter_mla(calls))
+        cls, block_size = aiter_mla.AiterMla, 16
+        layer = hal.mla_layer(16, 512, 64, 128, 128, 192 ** -0.5)
+        assert cls.unsupported_reason([layer], block_size, torch.bfloat16, CPU) is None
+        assert "bf16" in cls.unsupported_reason([layer], block_size, torch.float16, CPU)
+        assert "query heads" in cls.unsupported_reason([hal.mla_layer(8, 512, 64, 128, 128, 1.0)], 16,
+                                                       torch.bfloat16, CPU)
+    else:
+        monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla(calls))
+        cls, block_size = flashmla.FlashMla, 64
+        layer = hal.mla_layer(16, 512, 64, 128, 128, 192 ** -0.5)
+        assert cls.unsupported_reason([layer], 64, torch.bfloat16, CPU) is None
+        assert "--block-size 64" in cls.unsupported_reason([layer], 16, torch.bfloat16, CPU)
+    assert "512 + 64" in cls.unsupported_reason([hal.mla_layer(16, 256, 64, 128, 128, 1.0)], block_size,
+                                                torch.bfloat16, CPU)
+    # fp32 here (the interpreter's bf16 dots are wrong); the adapters' own decisions do not depend on it
+    for shapes, via_library in (([(70, 1), (5, 1), (130, 1)], True), ([(9, 1), (40, 6)], False)):
+        meta, t = paged_batch(shapes, block_size, 24)
+        cache = torch.randn(24, block_size, 1, 576)
+        q, rows = torch.randn(t, 16 * 576), torch.randn(t, 576)
+        native = hal.NativeMla([layer], block_size, torch.float32, CPU)
+        native.plan(meta)
+        ref_cache = cache.clone()
+        ref = native.forward(0, q, rows, None, ref_cache)
+        backend = cls([layer], block_size, torch.float32, CPU)
+        if KERNEL_DEVICE.type != "cpu":  # compiled Triton cannot take these cpu tensors: native stands in for it
+            backend._other = hal.NativeMla([layer], block_size, torch.float32, CPU)
+        backend.plan(meta)
+        got = backend.forward(0, q, rows, None, cache)
+        assert torch.equal(cache, ref_cache)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+        assert (len(calls) == 1) == via_library
+        if KERNEL_DEVICE.type == "cpu":  # the mixed step went to the (interpreted) Triton kernel
+            assert isinstance(backend._other, TritonMla) != via_library
+        calls.clear()

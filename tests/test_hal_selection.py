@@ -52,13 +52,14 @@ def test_cpu_selection_table():
     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "quant_linear", "quant_embedding", "argmax"):
         assert [p.name for p in sel.table[name].chain] == cpp + ["native"]
     assert [p.name for p in sel.table["gated_delta_rule"].chain] == ["chunked", "native"]
+    assert [p.name for p in sel.table["mla_attention"].chain] == ["cpu", "native"]
     for name in ("all_reduce", "all_gather"):  # x86-64: shared memory between the ranks of one machine
         shm = ["shm"] if platform.machine() == "x86_64" else []
         assert [p.name for p in sel.table[name].chain] == shm + ["native"]
     assert all(c.chosen == "native" for name, c in sel.table.items()
                if name not in ("attention", "linear", "rotary", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
                                "gated_delta_rule", "quant_linear", "quant_embedding", "argmax", "all_reduce",
-                               "all_gather"))
+                               "all_gather", "mla_attention"))
     text = sel.format_table()
     assert "gelu_and_mul" in text and "only provider on this backend" in text and "first in priority order" in text
 
@@ -124,9 +125,10 @@ def test_unknown_backend_name():
 
 
 AITER_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "moe_route", "fused_moe", "fp8_linear",
-             "gated_delta_rule"}
+             "gated_delta_rule", "mla_attention", "block_fp8_linear"}
 TRITON_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route",
-              "fused_moe", "causal_conv1d", "causal_conv1d_update", "gated_delta_rule"}
+              "fused_moe", "causal_conv1d", "causal_conv1d_update", "gated_delta_rule", "mla_attention",
+              "block_fp8_linear"}
 
 
 def _chosen(sel):

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.compiled
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_paged_attention_kernel", "_merge_splits_kernel", "_write_kv_kernel", "_rms_norm_kernel",
            "_rotary_kernel", "_act_and_mul_kernel", "_route_kernel", "_grouped_gemm_kernel",
-           "_quant_per_token_kernel", "_scaled_mm_kernel", "_conv1d_kernel", "_gdn_kernel"}
+           "_quant_per_token_kernel", "_scaled_mm_kernel", "_conv1d_kernel", "_gdn_kernel", "_paged_mla_kernel",
+           "_write_rows_kernel", "_quant_groups_kernel"}
 LIMITS = {"gfx942": 64 << 10, "gfx950": 160 << 10, "sm_90": 227 << 10, "sm_100": 227 << 10}
 
 

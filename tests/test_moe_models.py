@@ -10,7 +10,7 @@ import torch
 from conftest import save_tiny
 from parity import LogitsRecorder, hf_greedy, run_and_compare
 from resin import LLM
-from resin.models.layers import SparseMoe
+from resin.models.moe import SparseMoe
 from resin.models.loader import load_model
 
 pytestmark = pytest.mark.parity

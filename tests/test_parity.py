@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import ARCHS, RECURRENT_ARCHS, save_tiny
+from conftest import ARCHS, MLA_ARCHS, RECURRENT_ARCHS, save_tiny
 from parity import LogitsRecorder, hf_greedy, hf_logits, run_and_compare
 from resin import LLM, SamplingParams
 
@@ -48,7 +48,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in RECURRENT_ARCHS])  # their shapes: test_recurrent_models
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in RECURRENT_ARCHS + MLA_ARCHS])  # theirs: own files
 @pytest.mark.parametrize("cfg_idx", range(len(CONFIGS)))
 def test_config_shapes_match_hf(arch, cfg_idx, tmp_path):
     overrides = dict(CONFIGS[cfg_idx])

@@ -40,6 +40,10 @@ CASES = [
     ("gpt-oss-ep", "GptOssForCausalLM", {}, True),
     ("qwen3-next-tp", "Qwen3NextForCausalLM", {}, False),  # key heads split in the linear-attention layers
     ("qwen3-next-ep", "Qwen3NextForCausalLM", {}, True),
+    ("qwen2-moe-tp", "Qwen2MoeForCausalLM", {}, False),  # gated shared expert split like a dense MLP
+    ("glm4-moe-ep", "Glm4MoeForCausalLM", {}, True),  # grouped sigmoid routing with a correction bias
+    ("deepseek-v3-tp", "DeepseekV3ForCausalLM", {}, False),  # heads split, the latent cache whole on each rank
+    ("deepseek-v2-ep", "DeepseekV2ForCausalLM", {}, True),
 ]
 PROMPTS = [[1, 5, 9, 13, 2, 7], list(range(3, 40)), [7, 7, 8, 9, 10] * 6, list(range(3, 40))]  # last: prefix hit
 
@@ -284,6 +288,68 @@ def _greedy_tp2_equals_tp1(folder: Path, **engine) -> None:
     for a, b in zip(outs[1][0], outs[2][0]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert (outs[2][1].of(b.request_id) - outs[1][1].of(a.request_id)).abs().max().item() <= 1e-4
+
+
+def test_block_fp8_weights_and_scales_split_on_block_boundaries(tmp_path):
+    """DeepSeek-V3 in block-scale fp8: each rank's weights, read with only its scale blocks, dequantise to exactly
+    its slice of the whole model's (q/k/v-style shards, row-split columns, experts by intermediate size,
+    kv_b_proj); and two real ranks generate TP=1's greedy tokens. Logits are not held to 1e-4 here as for
+    unquantised and static-scale models: activations are quantised per token at run time, and the all-reduce's
+    summation order moves an activation across an fp8 rounding step now and then (a few percent of a logit)."""
+    from test_block_fp8 import _block_fp8_checkpoint
+
+    from resin.hal import ParallelGroup, set_parallel
+    from resin.hal.fp8 import expand_block_scales
+    from resin.models.block_fp8 import BlockFp8Linear, DequantizedWeight
+    from resin.models.loader import load_model
+    from resin.models.moe import SparseMoe
+
+    save_tiny(tmp_path, "DeepseekV3ForCausalLM", seed=6)
+    _block_fp8_checkpoint(tmp_path)
+
+    def dense(w, scale, block):
+        return w.float() * expand_block_scales(scale, block, tuple(w.shape))
+
+    whole = load_model(tmp_path, torch.float32, torch.device("cpu")).model
+    checked = 0
+    for rank in range(2):
+        set_parallel(ParallelGroup(rank=rank, world=2))
+        try:
+            mine = load_model(tmp_path, torch.float32, torch.device("cpu")).model
+        finally:
+            set_parallel(ParallelGroup())
+        for name, m in mine.named_modules():
+            ref = whole.get_submodule(name)
+            if isinstance(m, BlockFp8Linear):
+                full = dense(ref.weight, ref.weight_scale_inv, ref.block)
+                if m.in_part is not None:
+                    want = full[:, m.in_part[0]:sum(m.in_part)]
+                else:
+                    want = torch.cat([full[ref.offsets[s][0] + start:ref.offsets[s][0] + start + size]
+                                      for s, (start, size) in m.parts.items()])
+                assert torch.equal(dense(m.weight, m.weight_scale_inv, m.block), want), name
+            elif isinstance(m, DequantizedWeight):
+                assert torch.equal(m.weight, ref.weight[m.part[0]:sum(m.part)]), name
+            elif isinstance(m, SparseMoe):
+                start, size = m.inter_part
+                inter = ref.w13.shape[1] // 2
+                for e in range(m.w13.shape[0]):
+                    w13, w2 = dense(ref.w13[e], ref.w13_scale[e], ref.block), dense(ref.w2[e], ref.w2_scale[e],
+                                                                                     ref.block)
+                    want13 = torch.cat((w13[start:start + size], w13[inter + start:inter + start + size]))
+                    assert torch.equal(dense(m.w13[e], m.w13_scale[e], m.block), want13), name
+                    assert torch.equal(dense(m.w2[e], m.w2_scale[e], m.block), w2[:, start:start + size]), name
+            else:
+                continue
+            checked += 1
+    assert checked > 20
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tp)
+        outs[tp] = [o.outputs[0].token_ids for o in llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+        llm.shutdown()
+    assert outs[1] == outs[2]
 
 
 def test_int8_rows_split_with_whole_row_scales(tmp_path):

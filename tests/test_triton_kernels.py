@@ -216,7 +216,7 @@ def test_attention_refuses_what_it_cannot_run():
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (12, 4), (60, 1), (64, 8)])
+@pytest.mark.parametrize("num_experts,top_k", [(8, 2), (12, 4), (60, 1), (64, 8), (40, 10), (9, 3)])
 @pytest.mark.parametrize("bias,renormalize", [(False, True), (True, True), (False, False)])
 def test_moe_route(scoring, num_experts, top_k, bias, renormalize):
     logits = torch.randn(13, num_experts)
@@ -228,7 +228,23 @@ def test_moe_route(scoring, num_experts, top_k, bias, renormalize):
                                           routed_scaling_factor=2.5)
     assert torch.equal(got_ids, ref_ids)
     close(got_w, ref_w)
-    assert moe.route_supports_args(logits, top_k, scoring, True, 4) is not None  # grouped top-k: native
+
+
+@pytest.mark.parametrize("scoring,bias", [("sigmoid", True), ("softmax", False), ("sigmoid", False)])
+@pytest.mark.parametrize("num_experts,top_k,groups,topk_group", [(256, 8, 8, 4), (160, 4, 8, 3), (12, 2, 3, 1),
+                                                                 (64, 6, 1, 1)])
+def test_moe_route_grouped(scoring, bias, num_experts, top_k, groups, topk_group):
+    """DeepSeek-V3's routing (256 experts, 8 groups, best 4, sigmoid with a correction bias), V2's (160 experts
+    in 8 groups of 20, softmax), groups that are not a power of two, and one group (no grouping at all)."""
+    logits = torch.randn(11, num_experts)
+    correction = torch.rand(num_experts) * 0.2 if bias else None
+    args = (top_k, scoring, True, groups, topk_group, correction, 2.5)
+    assert moe.route_supports_args(logits, *args) is None
+    got_w, got_ids = moe.moe_route(logits, *args)
+    ref_w, ref_ids = hal.MOE_ROUTE.native(logits, *args)
+    assert torch.equal(got_ids, ref_ids)
+    close(got_w, ref_w)
+    assert "equal groups" in moe.route_supports_args(torch.randn(2, 10), 2, scoring, True, 4, 2)
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 4, 2, 16), (37, 6, 2, 16), (20, 64, 8, 64)])
@@ -252,6 +268,44 @@ def test_sort_by_expert(num_tokens, num_experts, top_k, block_m):
                                                                        (29, 64, 24, 8, 1)])
 @pytest.mark.parametrize("act", ["silu", "gelu", "swigluoai"])
 def test_fused_moe(dtype, num_tokens, hidden, inter, num_experts, top_k, act):
+    _check_fused_moe(dtype, num_tokens, hidden, inter, num_experts, top_k, act)
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_fused_moe_at_deepseek_expert_count(num_tokens):
+    """256 experts, 8 active per token (DeepSeek-V3, Kimi-K2), at a small hidden size: most experts get no token
+    and their blocks must exit without writing; a few get several."""
+    _check_fused_moe(torch.float32, num_tokens, 32, 16, 256, 8, "silu")
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8_UNDER_TEST, ids=str)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 4, 2), (23, 8, 3)])
+def test_fused_moe_block_fp8_experts(fp8_dtype, num_tokens, num_experts, top_k):
+    """DeepSeek-V3's experts: fp8 weights with a scale per 16 x 32 tile (ragged at the intermediate edge), each
+    GEMM's input quantised per token per 32 columns, against native's per-expert block_fp8_linear loop."""
+    hidden, inter, block = 64, 48, (16, 32)
+    x = torch.randn(num_tokens, hidden)
+    w13, s13 = _block_quantised(torch.randn(num_experts, 2 * inter, hidden) * hidden ** -0.5, block, fp8_dtype)
+    w2, s2 = _block_quantised(torch.randn(num_experts, hidden, inter) * inter ** -0.5, block, fp8_dtype)
+    weights, ids = hal.MOE_ROUTE.native(torch.randn(num_tokens, num_experts), top_k)
+    quant = dict(w13_scale=s13, w2_scale=s2, block=block)
+    assert moe.fused_moe_supports_args(x, w13, w2, weights, ids, "silu", **quant) is None
+    torch.testing.assert_close(moe.fused_moe(x, w13, w2, weights, ids, "silu", **quant),
+                               hal.FUSED_MOE.native(x, w13, w2, weights, ids, "silu", **quant), rtol=1e-4, atol=1e-4)
+
+
+def _block_quantised(w: torch.Tensor, block: tuple[int, int], fp8_dtype: torch.dtype):
+    """(E, N, K) weights -> fp8 and (E, ceil(N / bn), ceil(K / bk)) amax scales."""
+    e, n, k = w.shape
+    nb, kb = -(-n // block[0]), -(-k // block[1])
+    tiles = torch.nn.functional.pad(w, (0, kb * block[1] - k, 0, nb * block[0] - n)).view(e, nb, block[0], kb,
+                                                                                         block[1])
+    scale = tiles.abs().amax((2, 4)) / torch.finfo(fp8_dtype).max
+    q = (tiles / scale[:, :, None, :, None]).view(e, nb * block[0], kb * block[1])[:, :n, :k].to(fp8_dtype)
+    return q, scale
+
+
+def _check_fused_moe(dtype, num_tokens, hidden, inter, num_experts, top_k, act):
     """swigluoai runs as GPT-OSS does, with expert biases on both GEMMs and gate/up values wide enough that the
     clamps at +-limit (3 here) act."""
     gpt_oss = act == "swigluoai"
@@ -298,3 +352,86 @@ def test_fp8_linear(fp8_dtype, m, n, k, per_channel, static_input, x_dtype):
     ref = hal.FP8_LINEAR.native(x, wq, w_scale, in_scale, bias)
     assert got.dtype == ref.dtype == x_dtype
     close(got, ref)
+
+
+MLA_SHAPES = {  # (context after the step, new tokens) per sequence
+    "mixed": [(9, 1), (6, 6), (45, 17), (1, 1), (40, 1)],
+    "decode": [(5, 1), (70, 1), (33, 1)],
+}
+
+
+@TUNINGS
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
+@pytest.mark.parametrize("batch", list(MLA_SHAPES))
+@pytest.mark.parametrize("heads,latent,rope", [(4, 32, 16), (20, 48, 16)])
+def test_paged_mla(tuning, dtype, batch, heads, latent, rope):
+    """The latent-attention kernel against NativeMla on ragged batches: the cache write, split-K decode, head
+    blocks that do not divide the heads (20 = 16 + 4), and latent / rope widths that are not powers of two."""
+    _check_paged_mla(tuning, dtype, batch, heads, latent, rope)
+
+
+@pytest.mark.parametrize("batch", list(MLA_SHAPES))
+def test_paged_mla_at_deepseek_widths(batch):
+    """DeepSeek-V3's 512 latent + 64 rope dims, 16 heads (128 over 8 ranks), fp32: slow interpreted, so once."""
+    _check_paged_mla(current(), torch.float32, batch, 16, 512, 64)
+
+
+def _check_paged_mla(tuning, dtype, batch, heads, latent, rope):
+    from resin.backends.triton.mla import TritonMla
+
+    layer = hal.mla_layer(heads, latent, rope, 16, 16, (16 + rope) ** -0.5)
+    block_size, d = 16, latent + rope
+    shapes = MLA_SHAPES[batch]
+    num_blocks = sum(-(-ctx // block_size) for ctx, _ in shapes) + 3
+    meta, t = paged_batch(shapes, block_size, num_blocks)
+    cache = torch.randn(num_blocks, block_size, 1, d).to(dtype)
+    q, rows = torch.randn(t, heads * d).to(dtype), torch.randn(t, d).to(dtype)
+    native = hal.NativeMla([layer], block_size, dtype, KERNEL_DEVICE)
+    native.plan(meta)
+    ref_cache = cache.clone()
+    ref = native.forward(0, q, rows, None, ref_cache)
+    assert TritonMla.unsupported_reason([layer], block_size, dtype, KERNEL_DEVICE) is None
+    mla = TritonMla([layer], block_size, dtype, KERNEL_DEVICE, tuning)
+    mla.plan(meta)
+    if batch == "decode":
+        assert mla.num_splits > 1
+    got = mla.forward(0, q, rows, None, cache)
+    assert torch.equal(cache, ref_cache)
+    close(got, ref)
+
+
+def test_paged_mla_replay_reads_new_lengths_without_replanning():
+    """The graph contract for latent attention, as for paged attention: planned once for a bucket, the launch
+    serves any later batch refilled into the same metadata tensors (padding rows on a scratch block)."""
+    from resin.backends.triton.mla import TritonMla
+
+    layer = hal.mla_layer(4, 32, 16, 16, 16, 48 ** -0.5)
+    bucket, num_blocks, block_size = 4, 40, 16
+    static = None
+    mla = TritonMla([layer], block_size, torch.float32, KERNEL_DEVICE)
+    mla.capture_state(8)
+    for shapes in ([(5, 1), (20, 1), (33, 1)], [(70, 1), (130, 1), (9, 1)]):
+        meta, t = paged_batch(shapes, block_size, num_blocks - 1)  # the last block is the scratch block
+        scratch = num_blocks - 1
+        pad = bucket - len(shapes)
+        cache = torch.randn(num_blocks, block_size, 1, 48)
+        q, rows = torch.randn(bucket, 4 * 48), torch.randn(bucket, 48)
+        native = hal.NativeMla([layer], block_size, torch.float32, KERNEL_DEVICE)
+        native.plan(meta)
+        ref_cache = cache.clone()
+        ref = native.forward(0, q[:t], rows[:t], None, ref_cache)
+        tables = torch.full((bucket, 12), scratch, dtype=torch.int32)
+        tables[:len(shapes), :meta.block_tables.shape[1]] = meta.block_tables
+        values = (torch.cat((meta.seq_lens, torch.ones(pad, dtype=torch.int32))), tables,
+                  torch.cat((meta.slot_mapping, torch.full((pad,), scratch * block_size))))
+        if static is None:
+            static = [x.clone() for x in values]
+            mla.plan_for_replay(bucket, hal.AttentionMetadata(
+                query_start_loc=torch.arange(bucket + 1, dtype=torch.int32), seq_lens=static[0],
+                block_tables=static[1], slot_mapping=static[2], max_query_len=1, max_seq_len=12 * block_size))
+        else:
+            for buf, x in zip(static, values):
+                buf.copy_(x)
+        got = mla.forward(0, q, rows, None, cache)
+        close(got[:t], ref)
+        assert torch.equal(cache[:scratch], ref_cache[:scratch])

@@ -6,12 +6,15 @@ norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax, bf16 
 and embedding rows over packed GGUF / int8 weights; built once per machine), tensor-parallel collectives
 through shared memory when the ranks share a machine, then plain-torch providers that serve
 when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor ops), and
-bf16 linear through oneDNN with weights reordered once.
+bf16 linear through oneDNN with weights reordered once. Latent attention (MLA) has a plain-torch provider of the
+same split (backends/cpu/mla.py).
 """
 from resin.backends.cpu import delta_rule, kernels, linear, quant, rotary, shm_collectives
 from resin.backends.cpu.attention import CppAttention, CpuAttention
+from resin.backends.cpu.mla import CpuMla
 from resin.hal.attention import ATTENTION
 from resin.hal.distributed import ALL_GATHER, ALL_REDUCE
+from resin.hal.mla import MLA_ATTENTION
 from resin.hal.ops import ARGMAX, FUSED_ADD_RMS_NORM, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL
 from resin.hal.quant import QUANT_EMBEDDING, QUANT_LINEAR
 from resin.hal.recurrent import GATED_DELTA_RULE
@@ -19,6 +22,7 @@ from resin.hal.selection import BackendSpec
 
 ATTENTION.register("cpp", supported=kernels.supported, supports_args=CppAttention.unsupported_reason)(CppAttention)
 ATTENTION.register("cpu", supports_args=CpuAttention.unsupported_reason)(CpuAttention)
+MLA_ATTENTION.register("cpu", supports_args=CpuMla.unsupported_reason)(CpuMla)
 LINEAR.register("cpp", supported=kernels.gemv_supported, supports_args=kernels.gemv_args)(kernels.bf16_gemv)
 LINEAR.register("onednn", supported=linear.supported, supports_args=linear.supports_args)(linear.onednn_linear)
 RMS_NORM.register("cpp", supported=kernels.supported, supports_args=kernels.norm_args)(kernels.rms_norm)
@@ -38,11 +42,14 @@ ALL_GATHER.register("shm", supported=shm_collectives.supported,
                     supports_args=shm_collectives.gather_args)(shm_collectives.all_gather)
 GATED_DELTA_RULE.register("chunked", supports_args=delta_rule.supports_args)(delta_rule.chunked_gated_delta_rule)
 
-BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "linear": ["cpp", "onednn"],
+BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "mla_attention": ["cpu"],
+                                         "linear": ["cpp", "onednn"],
                                          "rms_norm": ["cpp"], "fused_add_rms_norm": ["cpp"],
                                          "rotary": ["cpp", "cpu"], "silu_and_mul": ["cpp"],
-                                         "gated_delta_rule": ["chunked"], "quant_linear": ["cpp"], "quant_embedding": ["cpp"],
+                                         "gated_delta_rule": ["chunked"], "quant_linear": ["cpp"],
+                                         "quant_embedding": ["cpp"],
                                          "argmax": ["cpp"], "all_reduce": ["shm"], "all_gather": ["shm"]},
                       note="PyTorch on the CPU with Resin's C++ kernels for the per-layer ops (built once per "
                            "machine; plain-torch providers where no compiler is found); bf16 linear through oneDNN "
-                           "with prepacked weights; GGUF / int8 weights kept packed (C++ kernels); the gated delta rule in chunked form for prefill")
+                           "with prepacked weights; GGUF / int8 weights kept packed (C++ kernels); the gated delta "
+                           "rule in chunked form for prefill; latent attention (MLA) in batched torch ops")

@@ -8,13 +8,14 @@ follow it in the chain (they serve what it declines, or everything with --ops at
 graph-safe here, so with either first eager steps use it and captured decode steps the Triton kernel, and
 upstream flash-attn 2 pages KV only in multiples of 256 tokens (Resin's blocks are 16).
 """
-from resin.backends.cuda import graphs, scaled_mm
+from resin.backends.cuda import flashmla, graphs, scaled_mm
 from resin.backends.cuda.flash_attn_attention import FlashAttnAttention
 from resin.backends.cuda.flashinfer_attention import FlashInferAttention
 from resin.backends.triton import providers as _triton  # noqa: F401  (registers the "triton" providers)
 from resin.hal.attention import ATTENTION
 from resin.hal.fp8 import FP8_LINEAR
 from resin.hal.graphs import CAPTURE_GRAPH
+from resin.hal.mla import MLA_ATTENTION
 from resin.hal.platform import Platform
 from resin.hal.selection import BackendSpec
 
@@ -32,6 +33,8 @@ def _library(name: str, pip: str):
 
 
 CAPTURE_GRAPH.register("torch_graphs", graphs.supported)(graphs.capture)
+MLA_ATTENTION.register("flashmla", flashmla.supported, flashmla.FlashMla.unsupported_reason,
+                       library="flash-mla")(flashmla.FlashMla)
 FP8_LINEAR.register("scaled_mm", scaled_mm.supported, scaled_mm.supports_args)(scaled_mm.fp8_linear)
 # graph-safety comes from each class's supports_graphs (neither is)
 ATTENTION.register("flashinfer", _library("flashinfer", "flashinfer-python"), FlashInferAttention.unsupported_reason,
@@ -44,6 +47,7 @@ TRITON_OPS = ("rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_
 
 BACKEND = BackendSpec(
     "cuda", priorities={**{op: ["triton"] for op in TRITON_OPS}, "attention": ["triton", "flashinfer", "flash_attn"],
-                        "fp8_linear": ["scaled_mm", "triton"],
+                        "mla_attention": ["triton", "flashmla"],
+                        "fp8_linear": ["scaled_mm", "triton"], "block_fp8_linear": ["triton"],
                         "capture_graph": ["torch_graphs"]},
     note="Triton kernels (warp32 tuning), cuBLAS linear, fp8 e4m3fn, CUDA graphs per decode bucket")

@@ -24,6 +24,43 @@ _MAX_SPLITS = 16
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """fp32 operands: IEEE products (the default would round them to tf32 on NVIDIA)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One key block of an online softmax over rows of scores s (-inf where masked): the block's probabilities
+    against the new running max, the factor that rescales what was accumulated, the new max and denominator."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_output(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, head, d, row_ok, d_ok, out_stride,
+                  width, num_heads, split, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows (token, head) of `width` outputs: normalised, or with split-K the split's accumulator and (max, sum)
+    in the merge kernel's layout, (token, head, split) parts of BLOCK_D floats."""
+    store_ok = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * out_stride + head[:, None] * width + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_ok)
+    else:
+        part = (tok[:, None] * num_heads + head[:, None]) * NUM_SPLITS + split
+        tl.store(part_acc_ptr + part * BLOCK_D + d[None, :], acc, mask=store_ok)
+        tl.store(part_ml_ptr + part * 2 + tl.arange(0, 2)[None, :],
+                 tl.where(tl.arange(0, 2)[None, :] == 0, m_i[:, None], l_i[:, None]), mask=row_ok[:, None])
+
+
+@triton.jit
 def _paged_attention_kernel(
         q_ptr, cache_ptr, out_ptr, part_acc_ptr, part_ml_ptr, sinks_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         prog_seq_ptr, prog_q0_ptr, q_stride, out_stride, bt_stride, plane, blk_stride, tok_stride, scale, soft_cap,
@@ -76,10 +113,7 @@ def _paged_attention_kernel(
         blk = tl.load(block_tables_ptr + seq * bt_stride + j).to(tl.int64)
         k = tl.load(cache_ptr + blk * blk_stride + kv_offs, mask=d_ok[None, :], other=0.0)
         v = tl.load(cache_ptr + plane + blk * blk_stride + kv_offs, mask=d_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            s = tl.dot(q, tl.trans(k)) * scale
+        s = _dot(q, tl.trans(k), IEEE) * scale
         if HAS_SOFTCAP:
             s = soft_cap * (2.0 / (1.0 + tl.exp(-2.0 * s / soft_cap)) - 1.0)  # cap * tanh(s / cap)
         k_pos = j * BLOCK_SIZE + offs
@@ -87,27 +121,11 @@ def _paged_attention_kernel(
         if HAS_WINDOW:
             ok = ok & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
 
-    store_ok = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + tok[:, None] * out_stride + head[:, None] * head_size + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=store_ok)
-    else:
-        part = (tok[:, None] * (group * tl.num_programs(1)) + head[:, None]) * NUM_SPLITS + split
-        tl.store(part_acc_ptr + part * BLOCK_D + d[None, :], acc, mask=store_ok)
-        tl.store(part_ml_ptr + part * 2 + tl.arange(0, 2)[None, :],
-                 tl.where(tl.arange(0, 2)[None, :] == 0, m_i[:, None], l_i[:, None]), mask=row_ok[:, None])
+    _store_output(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, head, d, row_ok, d_ok, out_stride,
+                  head_size, group * tl.num_programs(1), split, NUM_SPLITS, BLOCK_D)
 
 
 @triton.jit

@@ -7,7 +7,8 @@ import importlib
 from typing import Any, Callable
 
 from resin.hal.attention import ATTENTION
-from resin.hal.fp8 import FP8_LINEAR
+from resin.hal.fp8 import BLOCK_FP8_LINEAR, FP8_LINEAR
+from resin.hal.mla import MLA_ATTENTION
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import FUSED_ADD_RMS_NORM, GELU_AND_MUL, RMS_NORM, ROTARY, SILU_AND_MUL
 from resin.hal.platform import Platform
@@ -63,10 +64,14 @@ GELU_AND_MUL.register(T, supported, library=T)(_lazy("activation", "gelu_and_mul
 # the attention class is imported lazily too, so its supports_graphs cannot be read here: it is graph-safe
 ATTENTION.register(T, supported, _lazy_reason("attention", "TritonAttention"), graph_safe=True, library=T)(
     _lazy("attention", "TritonAttention"))
+MLA_ATTENTION.register(T, supported, _lazy_reason("mla", "TritonMla"), graph_safe=True, library=T)(
+    _lazy("mla", "TritonMla"))
 MOE_ROUTE.register(T, supported, _lazy("moe", "route_supports_args"), library=T)(_lazy("moe", "moe_route"))
 FUSED_MOE.register(T, supported, _lazy("moe", "fused_moe_supports_args"), library=T)(_lazy("moe", "fused_moe"))
 FP8_LINEAR.register(T, fp8_supported, _lazy("fp8", "fp8_linear_supports_args"), library=T)(
     _lazy("fp8", "fp8_linear"))
+BLOCK_FP8_LINEAR.register(T, fp8_supported, _lazy("block_fp8", "block_fp8_linear_supports_args"), library=T)(
+    _lazy("block_fp8", "block_fp8_linear"))
 CAUSAL_CONV1D.register(T, supported, _lazy("recurrent", "conv1d_supports_args"), library=T)(
     _lazy("recurrent", "causal_conv1d"))
 CAUSAL_CONV1D_UPDATE.register(T, supported, _lazy("recurrent", "conv1d_supports_args"), library=T)(

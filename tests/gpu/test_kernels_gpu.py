@@ -110,3 +110,65 @@ def test_fp8_linear(gpu_device, table, per_channel, static):
     wq = (w / ws.reshape(-1, 1)).to(fp8)
     xs = (x.float().abs().max() / fmax).reshape(1) if static else None
     close(hal.FP8_LINEAR(x, wq, ws, xs), hal.FP8_LINEAR.native(x, wq, ws, xs), torch.bfloat16)
+
+
+@pytest.mark.parametrize("shapes", [
+    [(2048, 1)] * 8 + [(700, 1)] * 24,  # decode only (split-K; aiter / FlashMLA where chosen)
+    [(512, 512), (1500, 300)] + [(900, 1)] * 16,  # prefills mixed with decodes (the Triton kernel)
+])
+def test_paged_mla(gpu_device, table, shapes):
+    """DeepSeek's latent attention (16 heads a rank, 512 latent + 64 rope) through the chosen mla_attention
+    provider, at the block size it asks for (FlashMLA reads 64-token pages)."""
+    from attention_batches import paged_batch
+
+    dtype = torch.bfloat16
+    layer = hal.mla_layer(16, 512, 64, 128, 128, 192 ** -0.5)
+    bs = 64 if table.table["mla_attention"].chosen == "flashmla" else 16
+    num_blocks = sum(-(-c // bs) for c, _ in shapes) + 8
+    meta, t = paged_batch(shapes, bs, num_blocks)
+    meta = hal.AttentionMetadata(meta.query_start_loc.to(gpu_device), meta.seq_lens.to(gpu_device),
+                                 meta.block_tables.to(gpu_device), meta.slot_mapping.to(gpu_device),
+                                 meta.max_query_len, meta.max_seq_len, meta.query_start_loc_host)
+    cache = torch.randn(num_blocks, bs, 1, 576, device=gpu_device, dtype=dtype)
+    q, rows = torch.randn(t, 16 * 576, device=gpu_device, dtype=dtype), torch.randn(t, 576, device=gpu_device,
+                                                                                   dtype=dtype)
+    native = hal.NativeMla([layer], bs, dtype, gpu_device)
+    native.plan(meta)
+    ref_cache = cache.clone()
+    ref = native.forward(0, q, rows, None, ref_cache)
+    mla = hal.MLA_ATTENTION([layer], bs, dtype, gpu_device)
+    mla.plan(meta)
+    got = mla.forward(0, q, rows, None, cache)
+    assert torch.equal(cache, ref_cache)
+    close(got, ref, dtype)
+
+
+def test_grouped_routing_and_deepseek_experts(gpu_device, table):
+    """DeepSeek-V3's router (256 experts in 8 groups, best 4, sigmoid with a correction bias, top 8) and fused
+    experts at its expert count."""
+    logits = torch.randn(1024, 256, device=gpu_device)
+    bias = torch.rand(256, device=gpu_device) * 0.2
+    args = (8, "sigmoid", True, 8, 4, bias, 2.5)
+    got_w, got_ids = hal.MOE_ROUTE(logits, *args)
+    ref_w, ref_ids = hal.MOE_ROUTE.native(logits, *args)
+    assert torch.equal(got_ids.sort(-1).values, ref_ids.sort(-1).values)
+    close(got_w.sort(-1).values, ref_w.sort(-1).values, torch.float32)
+    dtype = torch.bfloat16
+    x = torch.randn(256, 1024, device=gpu_device, dtype=dtype)
+    w13 = (torch.randn(256, 2 * 256, 1024, device=gpu_device) * 1024 ** -0.5).to(dtype)
+    w2 = (torch.randn(256, 1024, 256, device=gpu_device) * 256 ** -0.5).to(dtype)
+    close(hal.FUSED_MOE(x, w13, w2, ref_w, ref_ids), hal.FUSED_MOE.native(x, w13, w2, ref_w, ref_ids), dtype)
+
+
+def test_block_fp8_linear(gpu_device, table):
+    fp8 = table.platform.fp8_dtype
+    if fp8 is None:
+        pytest.skip(f"requires a GPU with fp8 ({table.platform.arch} has none)")
+    n, k = 7168 + 64, 2048  # a ragged last row block
+    x = torch.randn(300, k, device=gpu_device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=gpu_device)
+    tiles = torch.nn.functional.pad(w, (0, 0, 0, 64)).view(-1, 128, k // 128, 128)
+    ws = tiles.abs().amax((1, 3)) / torch.finfo(fp8).max
+    wq = (tiles / ws[:, None, :, None]).view(-1, k)[:n].to(fp8)
+    close(hal.BLOCK_FP8_LINEAR(x, wq, ws, (128, 128)), hal.BLOCK_FP8_LINEAR.native(x, wq, ws, (128, 128)),
+          torch.bfloat16)

@@ -65,6 +65,8 @@ def moe_route(router_logits: torch.Tensor, top_k: int, scoring: str = "softmax",
 def fused_moe_supports_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                             topk_ids: torch.Tensor, activation: str = "silu", w13_bias: torch.Tensor | None = None,
                             w2_bias: torch.Tensor | None = None, *args, **kwargs) -> str | None:
+    if kwargs.get("w13_scale") is not None:
+        return "block-scale fp8 experts: this adapter does not pass aiter's per-128x128 quantised path"
     if activation not in ("silu", "gelu") or w13_bias is not None or w2_bias is not None:
         # aiter's GPT-OSS path (a gfx950 MXFP4 kernel with its own bias layout) is not adapted here
         return f"activation {activation!r} / expert biases: this adapter passes silu or gelu without biases"
