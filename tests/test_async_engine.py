@@ -105,7 +105,8 @@ def test_a_reader_kept_waiting_by_the_queue_is_not_stalled(llm):
         engine = AsyncEngine(llm.engine, stall_timeout=0.3)
         engine.start()
         try:
-            busy = [engine.submit(f"busy{i}", [(None, [1, 2, 3])], _params(250)) for i in range(4)]
+            # long enough that a free slot takes well over the stall timeout on a fast machine too
+            busy = [engine.submit(f"busy{i}", [(None, [1, 2, 3])], _params(1000)) for i in range(4)]
             stream = engine.submit("late", [(None, [7, 8])], _params(40))
             start = time.monotonic()
             await _until(lambda: engine.num_waiting == 0)
