@@ -106,27 +106,36 @@ def prefill_paths(lengths: list[int], h: int = 9, hk: int = 3, d: int = 64) -> d
 
 
 def mla_paths(shapes: list[tuple[int, int]], bs: int = 16) -> dict[str, float]:
+    """One DeepSeek-V3-shaped MLA layer (16 heads: 128 over 8 ranks): the native reference (absorbed, padded), the
+    cpu provider (its per-sequence choice of form), and the cpu provider held to the absorbed form."""
     from attention_batches import paged_batch  # tests/: the random paged batches the provider tests use
     from resin import hal
-    from resin.backends.cpu.mla import CpuMla
+    from resin.backends.cpu import mla as cpu_mla
 
     layer = hal.mla_layer(16, 512, 64, 128, 128, 192 ** -0.5)
     num_blocks = sum(-(-c // bs) for c, _ in shapes) + 4
     meta, t = paged_batch(shapes, bs, num_blocks)
-    cache = torch.randn(num_blocks, bs, 1, 576).to(torch.bfloat16)
-    q, rows = torch.randn(t, 16 * 576).to(torch.bfloat16), torch.randn(t, 576).to(torch.bfloat16)
+    bf16 = torch.bfloat16
+    cache = torch.randn(num_blocks, bs, 1, 576).to(bf16)
+    q, rows = torch.randn(t, 16 * 192).to(bf16), torch.randn(t, 576).to(bf16)
+    kv_b = (torch.randn(16, 256, 512) / 512 ** 0.5).to(bf16)
     out = {}
-    for name, cls in (("native_padded", hal.NativeMla), ("cpu_provider", CpuMla)):
-        backend = cls([layer], bs, torch.bfloat16, torch.device("cpu"))
+    chooses = cpu_mla.expanded_prefill_pays
+    for name, cls, rule in (("native_padded", hal.NativeMla, chooses), ("cpu_provider", cpu_mla.CpuMla, chooses),
+                            ("cpu_absorbed_only", cpu_mla.CpuMla, lambda *_: False)):
+        cpu_mla.expanded_prefill_pays = rule
+        backend = cls([layer], bs, bf16, torch.device("cpu"))
         backend.plan(meta)
-        out[name] = bench(lambda: backend.forward(0, q, rows, None, cache), 10)
+        out[name] = bench(lambda: backend.forward(0, q, rows, kv_b, cache), 10)
+    cpu_mla.expanded_prefill_pays = chooses
     return out
 
 
 def main() -> None:
     torch.manual_seed(0)
     for label, shapes in (("decode B=1 L=1000", [(1000, 1)]), ("decode B=16 L=300", [(300, 1)] * 16),
-                          ("mixed 15 decodes L=300 + 256-token chunk", [(300, 1)] * 15 + [(512, 256)])):
+                          ("mixed 15 decodes L=300 + 256-token chunk", [(300, 1)] * 15 + [(512, 256)]),
+                          ("fresh prompt of 1024", [(1024, 1024)]), ("64-token chunk after 960", [(1024, 64)])):
         print(f"mla {label}", {k: f"{v:.2f} ms" for k, v in mla_paths(shapes).items()})
     for b, length in ((1, 160), (1, 300), (4, 160), (8, 160), (32, 90), (32, 300)):
         print(f"decode  B={b:<3} L={length:<4}", {k: f"{v:.3f} ms" for k, v in decode_paths(b, length).items()})

@@ -20,7 +20,7 @@ fi
 nvidia-smi -L 2>/dev/null | tee "$OUT/gpu.txt" || rocm-smi --showproductname 2>/dev/null | tee "$OUT/gpu.txt"
 
 # the GPU suite (marked requires_*) and the interpreted-free kernel tests, compiled for this GPU
-"$PY" -m pytest -q -rs tests/gpu tests/test_triton_kernels.py tests/test_triton_model.py tests/test_recurrent_ops.py \
+"$PY" -m pytest -q -rs tests/gpu tests/test_triton_kernels.py tests/test_triton_mla.py tests/test_triton_model.py tests/test_recurrent_ops.py \
     --junitxml="$OUT/gpu-tests.xml" 2>&1 | tee "$OUT/gpu-tests.txt"
 tests_rc=${PIPESTATUS[0]}
 

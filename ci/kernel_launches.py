@@ -159,8 +159,8 @@ def _shadow_attention(rec: Recorder, kernel: type[AttentionBackend]) -> type[Att
         def forward(self, layer_idx, q, k, v, kv_cache, sinks=None):
             self.kernel.forward(layer_idx, q, k, v, kv_cache, sinks)
             layer = self.layers[layer_idx]
-            with rec.native():  # latent attention returns the latent part of its rows
-                return q.new_zeros(q.shape[0], layer.num_heads * (getattr(layer, "latent_size", 0) or layer.head_size))
+            with rec.native():  # latent attention returns each head's value (v_head_dim)
+                return q.new_zeros(q.shape[0], layer.num_heads * (getattr(layer, "value_size", 0) or layer.head_size))
     return Shadow
 
 

@@ -4,11 +4,15 @@ token and layer instead of per-head keys and values.
 Each token's cached row is c = [kv_latent (kv_lora_rank) | k_rope (qk_rope_head_dim)]. The model folds the key
 up-projection W_UK into the query ("weight absorption": q_latent = q_nope W_UK per head), so the score of head h
 against token j is q_latent_h . kv_latent_j + q_rope_h . k_rope_j, a dot product with the whole row c_j; the value
-is kv_latent_j, the first kv_lora_rank entries of the same row. The backend returns each head's latent output and
-the model applies W_UV. So MLA is multi-query attention with one KV head of size L + R whose values are a prefix
-of its keys, and its backends keep the attention-backend contract (plan per step, forward per layer, graph
-hooks) with `k` the new latent rows and no `v`. The cache is one tensor (pages, page size, 1, L + R): FlashMLA's
-and aiter's layout.
+is kv_latent_j, the first kv_lora_rank entries of the same row, and W_UV turns each head's latent output into its
+value. So MLA is multi-query attention with one KV head of size L + R whose values are a prefix of its keys, and
+its backends keep the attention-backend contract (plan per step, forward per layer, graph hooks): forward takes
+the queries after rotary (T, H * (qk_nope + qk_rope)), `k` the new latent rows and, in place of values, the
+layer's up-projection kv_b_proj (H, qk_nope + v, L), and returns each head's value (T, H * v). Owning the
+up-projection lets a backend choose the form per sequence: absorbed (latent_forward, what every kernel computes)
+or, for a prefill, expanded (kv_b_proj applied to the context's latents, then ordinary attention with per-head
+keys and values; `expanded_prefill_pays` says when). The cache is one tensor (pages, page size, 1, L + R):
+FlashMLA's and aiter's layout.
 """
 from __future__ import annotations
 
@@ -22,10 +26,20 @@ from resin.hal.registry import Op
 
 @dataclass(frozen=True)
 class MlaLayer(AttentionLayer):
-    """num_kv_heads is 1 and head_size L + R (the cached row); latent_size is L. expanded_kv_size: what one
-    token's K and V expanded to every head would hold (heads x (qk_nope + qk_rope + v)), for the capacity report."""
+    """num_kv_heads is 1 and head_size L + R (the cached row); latent_size is L; nope_size and value_size are each
+    head's non-rotary key and value widths (what kv_b_proj expands a latent into)."""
     latent_size: int = 0
-    expanded_kv_size: int = 0
+    nope_size: int = 0
+    value_size: int = 0
+
+    @property
+    def rope_size(self) -> int:
+        return self.head_size - self.latent_size
+
+    @property
+    def expanded_kv_size(self) -> int:
+        """What one token's K and V expanded to every head would hold, for the capacity report."""
+        return self.num_heads * (self.nope_size + self.rope_size + self.value_size)
 
     @property
     def kv_tensors(self) -> int:
@@ -35,7 +49,47 @@ class MlaLayer(AttentionLayer):
 def mla_layer(num_heads: int, kv_lora_rank: int, qk_rope_head_dim: int, qk_nope_head_dim: int, v_head_dim: int,
               scale: float) -> MlaLayer:
     return MlaLayer(num_heads, 1, kv_lora_rank + qk_rope_head_dim, scale, latent_size=kv_lora_rank,
-                    expanded_kv_size=num_heads * (qk_nope_head_dim + qk_rope_head_dim + v_head_dim))
+                    nope_size=qk_nope_head_dim, value_size=v_head_dim)
+
+
+def absorb_queries(q: torch.Tensor, kv_b: torch.Tensor, layer: MlaLayer) -> torch.Tensor:
+    """q (T, H * (nope + R)) -> (T, H, L + R): each head's q_nope through its W_UK, beside its q_rope."""
+    t, h = q.shape[0], layer.num_heads
+    q_nope, q_rope = q.view(t, h, -1).split([layer.nope_size, layer.rope_size], dim=-1)
+    q_latent = torch.bmm(q_nope.transpose(0, 1), kv_b[:, :layer.nope_size])  # (H, T, L)
+    return torch.cat((q_latent.transpose(0, 1), q_rope), dim=-1)
+
+
+def latent_values(out: torch.Tensor, kv_b: torch.Tensor, layer: MlaLayer) -> torch.Tensor:
+    """Latent outputs (T, H * L) through each head's W_UV -> values (T, H * v)."""
+    t, h = out.shape[0], layer.num_heads
+    values = torch.bmm(out.view(t, h, layer.latent_size).transpose(0, 1), kv_b[:, layer.nope_size:].transpose(1, 2))
+    return values.transpose(0, 1).reshape(t, h * layer.value_size)
+
+
+def expand_rows(rows: torch.Tensor, kv_b: torch.Tensor, layer: MlaLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cached rows (S, L + R) -> every head's keys (S, H, nope + R) and values (S, H, v): kv_b_proj applied to
+    the latents, the one k_rope shared by the heads."""
+    s, h = rows.shape[0], layer.num_heads
+    latent, k_rope = rows.split([layer.latent_size, layer.rope_size], dim=-1)
+    kv = (latent @ kv_b.reshape(-1, layer.latent_size).t()).view(s, h, -1)
+    k_nope, values = kv.split([layer.nope_size, layer.value_size], dim=-1)
+    return torch.cat((k_nope, k_rope.unsqueeze(1).expand(s, h, layer.rope_size)), dim=-1), values
+
+
+def expanded_prefill_pays(q_len: int, seq_len: int, layer: MlaLayer) -> bool:
+    """Whether a sequence's q_len new queries over seq_len keys cost fewer multiply-adds expanded than absorbed.
+
+    Per head: absorbed pays q_len * L * (nope + v) to take the queries in and the outputs out of latent space, and
+    (L + R) + L per (query, key) pair; expanded pays seq_len * L * (nope + v) to expand every key's latent and
+    (nope + R) + v per pair. With P pairs (the causal chunk over its context), expanded wins when
+    (seq_len - q_len) * L * (nope + v) < P * (2L - nope - v): always for a fresh prompt, never for a decode over
+    a context (P = seq_len); for DeepSeek-V3 (L 512, nope 128, v 128) a chunk after cached context once it has
+    more than ~170 queries."""
+    lat, nv = layer.latent_size, layer.nope_size + layer.value_size
+    ctx = seq_len - q_len
+    pairs = q_len * ctx + q_len * (q_len + 1) // 2
+    return ctx * lat * nv < pairs * (2 * lat - nv)
 
 
 def write_latents(kv_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -48,9 +102,9 @@ class NativeMla(NativeAttention):
     """Reference MLA over a mixed prefill-chunk + decode batch, absorbed everywhere: queries scattered into a
     padded (B, max_q) grid, each sequence's latent rows gathered through its block table, one masked softmax.
 
-    Absorbed prefill costs (L + R) + L multiply-adds per query, key and head against the expanded form's
-    (qk_nope + qk_rope) + v, but reads only latents and needs no per-chunk expansion of the cached context; one
-    form for every row of a mixed batch keeps the reference simple. Kernels may choose otherwise per batch."""
+    One form for every row keeps the reference simple (and is what a decode needs); the cpu provider expands
+    prefills where that is cheaper (expanded_prefill_pays), and its parity test holds both forms to this one.
+    Subclasses that compute the absorbed form only override latent_forward."""
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -66,8 +120,15 @@ class NativeMla(NativeAttention):
             return "MLA backends serve latent-attention layers only"
         return None
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q (T, H * (nope + R)) queries after rotary, k (T, L + R) new latent rows, v the layer's kv_b_proj
+        weight (H, nope + v, L) -> (T, H * v) values."""
+        layer = self.layers[layer_idx]
+        return latent_values(self.latent_forward(layer_idx, absorb_queries(q, v, layer), k, kv_cache), v, layer)
+
+    def latent_forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                       kv_cache: torch.Tensor) -> torch.Tensor:
         """q (T, H * (L + R)) absorbed queries, k (T, L + R) new latent rows -> (T, H * L) latent outputs."""
         layer = self.layers[layer_idx]
         h, d, lat = layer.num_heads, layer.head_size, layer.latent_size
@@ -87,7 +148,8 @@ class NativeMla(NativeAttention):
 
 MLA_ATTENTION = Op("mla_attention", NativeMla, native_graph_safe=False,  # plans on the host from real lengths
                    doc="Paged latent-attention backend factory: MLA_ATTENTION(layers, block_size, dtype, device) "
-                       "-> backend; forward(layer, q (T, H*(L+R)), latent rows (T, L+R), None, cache) -> (T, H*L).")
+                       "-> backend; forward(layer, q (T, H*(nope+R)), latent rows (T, L+R), kv_b_proj (H, nope+v, L), "
+                       "cache) -> values (T, H*v).")
 
 
 def attention_op(layers: list[AttentionLayer]) -> Op:

@@ -4,9 +4,10 @@ DeepSeek MoE (dense MLPs on the first layers, routed experts with shared experts
 Attention per token: a low-rank query (q_a_proj -> RMSNorm -> q_b_proj; V2-Lite projects directly with q_proj)
 split into a non-rotary part and a rotary part per head; one shared compressed row kv_a_proj_with_mqa(x) =
 [latent (kv_lora_rank) | k_rope (qk_rope_head_dim)], the latent RMS-normed. kv_b_proj would expand the latent into
-each head's k_nope and v; instead its two halves are absorbed (hal/mla.py): W_UK into the query, so attention runs
-over the cached rows [latent | k_rope] themselves, and W_UV into the latent output. The cache holds
-kv_lora_rank + qk_rope_head_dim values per token and layer instead of heads x (k + v).
+each head's k_nope and v; the attention backend applies it (hal/mla.py): absorbed, W_UK into the query so attention
+runs over the cached rows [latent | k_rope] themselves and W_UV into the latent output, or expanding a prefill's
+context where that is cheaper. The cache holds kv_lora_rank + qk_rope_head_dim values per token and layer
+instead of heads x (k + v).
 
 Rotary: V2 rotates interleaved pairs (its complex form); V3 too under `rope_interleave` (the default), else the two
 halves; q.k is the same either way as long as q and k agree. YaRN scales the softmax by mscale_all_dim as well.
@@ -86,13 +87,11 @@ class MlaAttention(nn.Module):
         q_nope, q_rope = q.view(t, h, self.nope + self.rope).split([self.nope, self.rope], dim=-1)
         latent, k_rope = kv_a.split([self.lat, self.rope], dim=-1)
         q_rope, k_rope = self.rotary(positions, q_rope.reshape(t, h * self.rope), k_rope.contiguous())
-        w = self.kv_b_proj.weight.view(h, self.nope + self.vd, self.lat)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w[:, :self.nope])  # (H, T, L): W_UK absorbed
-        q_full = torch.cat((q_latent.transpose(0, 1), q_rope.view(t, h, self.rope)), dim=-1)
+        q = torch.cat((q_nope, q_rope.view(t, h, self.rope)), dim=-1).reshape(t, -1)
         rows = torch.cat((self.kv_a_layernorm(latent.contiguous()), k_rope), dim=-1)  # what the cache keeps
-        out = ctx.attention(self.layer_idx, q_full.reshape(t, -1), rows, None)  # (T, H * L)
-        out = torch.bmm(out.view(t, h, self.lat).transpose(0, 1), w[:, self.nope:].transpose(1, 2))  # W_UV
-        return self.o_proj(out.transpose(0, 1).reshape(t, h * self.vd))
+        # the backend applies kv_b_proj (absorbed into queries and outputs, or expanding a prefill's context)
+        w = self.kv_b_proj.weight.view(h, self.nope + self.vd, self.lat)
+        return self.o_proj(ctx.attention(self.layer_idx, q, rows, w))  # attention gives (T, H * v_head_dim)
 
 
 class MlaDecoderLayer(DecoderLayer):

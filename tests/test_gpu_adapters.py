@@ -259,12 +259,12 @@ def test_mla_library_adapters_pass_each_sequences_rows(monkeypatch, library):
         native = hal.NativeMla([layer], block_size, torch.float32, CPU)
         native.plan(meta)
         ref_cache = cache.clone()
-        ref = native.forward(0, q, rows, None, ref_cache)
+        ref = native.latent_forward(0, q, rows, ref_cache)
         backend = cls([layer], block_size, torch.float32, CPU)
         if KERNEL_DEVICE.type != "cpu":  # compiled Triton cannot take these cpu tensors: native stands in for it
             backend._other = hal.NativeMla([layer], block_size, torch.float32, CPU)
         backend.plan(meta)
-        got = backend.forward(0, q, rows, None, cache)
+        got = backend.latent_forward(0, q, rows, cache)
         assert torch.equal(cache, ref_cache)
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
         assert (len(calls) == 1) == via_library

@@ -12,47 +12,15 @@ import pytest
 import torch
 
 from resin import hal
-from resin.backends.cuda.tuning import TUNING as CUDA_TUNING
-from resin.backends.rocm.tuning import TUNING as ROCM_TUNING
 from resin.backends.triton import activation, fp8, kv_cache, moe, norm, rotary
 from resin.backends.triton.attention import TritonAttention
-from resin.backends.triton.tuning import current
-from resin.hal.fp8 import FP8_DTYPES
 
 from attention_batches import paged_batch
 from conftest import KERNEL_DEVICE
+from triton_cases import (ALL_DTYPES, DOT_DTYPES, FP8_UNDER_TEST, REPLAY_SCRATCH_BLOCK, TUNINGS,  # noqa: F401
+                          close, on_kernel_device, replayed_batches)
 
 pytestmark = pytest.mark.kernels
-
-
-@pytest.fixture(autouse=True)
-def on_kernel_device():
-    """Tensors made by the tests (and by native references) live where the kernels run."""
-    torch.set_default_device(KERNEL_DEVICE)
-    yield
-    torch.set_default_device(None)
-
-# Interpreted, both vendors' tunings run (the interpreter ignores warps/stages/waves_per_eu, so this checks their
-# block shapes and split counts, not the compiler options); compiled, only this GPU's (NVIDIA rejects waves_per_eu).
-TUNINGS = pytest.mark.parametrize(
-    "tuning", [CUDA_TUNING, ROCM_TUNING] if KERNEL_DEVICE.type == "cpu" else [current()],
-    ids=(["cuda-tuning", "rocm-tuning"] if KERNEL_DEVICE.type == "cpu" else ["this-gpu"]))
-ALL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# Interpreted, both fp8 flavours; compiled, the GPU's own (Triton on NVIDIA has no e4m3fnuz, gfx942 no e4m3fn MFMA)
-if KERNEL_DEVICE.type == "cpu":
-    FP8_UNDER_TEST = list(FP8_DTYPES)
-else:
-    from resin.hal.platform import gpu_platform
-
-    FP8_UNDER_TEST = [d for d in (gpu_platform().fp8_dtype,) if d is not None]
-DOT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if KERNEL_DEVICE.type == "cuda" else [])
-
-
-def close(got: torch.Tensor, ref: torch.Tensor) -> None:
-    """fp32 to 1e-5; half types to their rounding (the kernels round where the native op does, but a fused
-    kernel may differ from the unfused op by an ulp)."""
-    torch.testing.assert_close(got.float(), ref.float(), **(
-        {"rtol": 1e-5, "atol": 1e-5} if ref.dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}))
 
 
 @TUNINGS
@@ -172,38 +140,19 @@ def test_paged_attention_window_softcap_sinks(dtype, batch, window, soft_cap, si
 
 
 def test_paged_attention_replay_reads_new_lengths_without_replanning():
-    """The graph contract: after capture_state + plan_for_replay for a bucket, the launch depends on nothing
-    but the bucket size. Refill the same metadata tensors in place with another batch (longer contexts, other
-    blocks, padding rows on a scratch block) and run without planning again: the results must be that batch's."""
+    """After capture_state + plan_for_replay for a bucket, the launch depends on nothing but the bucket size: run
+    on a batch refilled into the same metadata tensors without planning again, the results must be that batch's."""
     layer = hal.AttentionLayer(4, 2, 32, 32 ** -0.5)
-    bucket, num_blocks, block_size = 4, 40, 16
-    static = None
-    attn = TritonAttention([layer], block_size, torch.float32, KERNEL_DEVICE)
-    attn.capture_state(8)
-    for shapes in ([(5, 1), (20, 1), (33, 1)], [(70, 1), (130, 1), (9, 1)]):
-        meta, t = paged_batch(shapes, block_size, num_blocks - 1)  # the last block is the scratch block
-        scratch = num_blocks - 1
-        pad = bucket - len(shapes)
-        cache = torch.randn(2, num_blocks, block_size, 2, 32)
-        q, k, v = torch.randn(bucket, 4 * 32), torch.randn(bucket, 2 * 32), torch.randn(bucket, 2 * 32)
-        native = hal.NativeAttention([layer], block_size, torch.float32, KERNEL_DEVICE)
+    attn = TritonAttention([layer], 16, torch.float32, KERNEL_DEVICE)
+    for meta, t in replayed_batches(attn):
+        cache = torch.randn(2, REPLAY_SCRATCH_BLOCK + 1, 16, 2, 32)
+        q, k, v = torch.randn(4, 4 * 32), torch.randn(4, 2 * 32), torch.randn(4, 2 * 32)
+        native = hal.NativeAttention([layer], 16, torch.float32, KERNEL_DEVICE)
         native.plan(meta)
         ref_cache = cache.clone()
         ref = native.forward(0, q[:t], k[:t], v[:t], ref_cache)
-        tables = torch.full((bucket, 12), scratch, dtype=torch.int32)
-        tables[:len(shapes), :meta.block_tables.shape[1]] = meta.block_tables
-        values = (torch.cat((meta.seq_lens, torch.ones(pad, dtype=torch.int32))), tables,
-                  torch.cat((meta.slot_mapping, torch.full((pad,), scratch * block_size))))
-        if static is None:  # first batch: allocate the buffers a graph would own, plan once
-            static = [x.clone() for x in values]
-            attn.plan_for_replay(bucket, hal.AttentionMetadata(
-                query_start_loc=torch.arange(bucket + 1, dtype=torch.int32), seq_lens=static[0],
-                block_tables=static[1], slot_mapping=static[2], max_query_len=1, max_seq_len=12 * block_size))
-        else:  # later batches: refill in place, as DecodeGraphs.run does before a replay
-            for buf, x in zip(static, values):
-                buf.copy_(x)
-        got = attn.forward(0, q, k, v, cache)
-        close(got[:t], ref)
+        close(attn.forward(0, q, k, v, cache)[:t], ref)
+        scratch = REPLAY_SCRATCH_BLOCK
         assert torch.equal(cache[:, :scratch], ref_cache[:, :scratch])  # padding only touched the scratch block
 
 
@@ -352,86 +301,3 @@ def test_fp8_linear(fp8_dtype, m, n, k, per_channel, static_input, x_dtype):
     ref = hal.FP8_LINEAR.native(x, wq, w_scale, in_scale, bias)
     assert got.dtype == ref.dtype == x_dtype
     close(got, ref)
-
-
-MLA_SHAPES = {  # (context after the step, new tokens) per sequence
-    "mixed": [(9, 1), (6, 6), (45, 17), (1, 1), (40, 1)],
-    "decode": [(5, 1), (70, 1), (33, 1)],
-}
-
-
-@TUNINGS
-@pytest.mark.parametrize("dtype", DOT_DTYPES)
-@pytest.mark.parametrize("batch", list(MLA_SHAPES))
-@pytest.mark.parametrize("heads,latent,rope", [(4, 32, 16), (20, 48, 16)])
-def test_paged_mla(tuning, dtype, batch, heads, latent, rope):
-    """The latent-attention kernel against NativeMla on ragged batches: the cache write, split-K decode, head
-    blocks that do not divide the heads (20 = 16 + 4), and latent / rope widths that are not powers of two."""
-    _check_paged_mla(tuning, dtype, batch, heads, latent, rope)
-
-
-@pytest.mark.parametrize("batch", list(MLA_SHAPES))
-def test_paged_mla_at_deepseek_widths(batch):
-    """DeepSeek-V3's 512 latent + 64 rope dims, 16 heads (128 over 8 ranks), fp32: slow interpreted, so once."""
-    _check_paged_mla(current(), torch.float32, batch, 16, 512, 64)
-
-
-def _check_paged_mla(tuning, dtype, batch, heads, latent, rope):
-    from resin.backends.triton.mla import TritonMla
-
-    layer = hal.mla_layer(heads, latent, rope, 16, 16, (16 + rope) ** -0.5)
-    block_size, d = 16, latent + rope
-    shapes = MLA_SHAPES[batch]
-    num_blocks = sum(-(-ctx // block_size) for ctx, _ in shapes) + 3
-    meta, t = paged_batch(shapes, block_size, num_blocks)
-    cache = torch.randn(num_blocks, block_size, 1, d).to(dtype)
-    q, rows = torch.randn(t, heads * d).to(dtype), torch.randn(t, d).to(dtype)
-    native = hal.NativeMla([layer], block_size, dtype, KERNEL_DEVICE)
-    native.plan(meta)
-    ref_cache = cache.clone()
-    ref = native.forward(0, q, rows, None, ref_cache)
-    assert TritonMla.unsupported_reason([layer], block_size, dtype, KERNEL_DEVICE) is None
-    mla = TritonMla([layer], block_size, dtype, KERNEL_DEVICE, tuning)
-    mla.plan(meta)
-    if batch == "decode":
-        assert mla.num_splits > 1
-    got = mla.forward(0, q, rows, None, cache)
-    assert torch.equal(cache, ref_cache)
-    close(got, ref)
-
-
-def test_paged_mla_replay_reads_new_lengths_without_replanning():
-    """The graph contract for latent attention, as for paged attention: planned once for a bucket, the launch
-    serves any later batch refilled into the same metadata tensors (padding rows on a scratch block)."""
-    from resin.backends.triton.mla import TritonMla
-
-    layer = hal.mla_layer(4, 32, 16, 16, 16, 48 ** -0.5)
-    bucket, num_blocks, block_size = 4, 40, 16
-    static = None
-    mla = TritonMla([layer], block_size, torch.float32, KERNEL_DEVICE)
-    mla.capture_state(8)
-    for shapes in ([(5, 1), (20, 1), (33, 1)], [(70, 1), (130, 1), (9, 1)]):
-        meta, t = paged_batch(shapes, block_size, num_blocks - 1)  # the last block is the scratch block
-        scratch = num_blocks - 1
-        pad = bucket - len(shapes)
-        cache = torch.randn(num_blocks, block_size, 1, 48)
-        q, rows = torch.randn(bucket, 4 * 48), torch.randn(bucket, 48)
-        native = hal.NativeMla([layer], block_size, torch.float32, KERNEL_DEVICE)
-        native.plan(meta)
-        ref_cache = cache.clone()
-        ref = native.forward(0, q[:t], rows[:t], None, ref_cache)
-        tables = torch.full((bucket, 12), scratch, dtype=torch.int32)
-        tables[:len(shapes), :meta.block_tables.shape[1]] = meta.block_tables
-        values = (torch.cat((meta.seq_lens, torch.ones(pad, dtype=torch.int32))), tables,
-                  torch.cat((meta.slot_mapping, torch.full((pad,), scratch * block_size))))
-        if static is None:
-            static = [x.clone() for x in values]
-            mla.plan_for_replay(bucket, hal.AttentionMetadata(
-                query_start_loc=torch.arange(bucket + 1, dtype=torch.int32), seq_lens=static[0],
-                block_tables=static[1], slot_mapping=static[2], max_query_len=1, max_seq_len=12 * block_size))
-        else:
-            for buf, x in zip(static, values):
-                buf.copy_(x)
-        got = mla.forward(0, q, rows, None, cache)
-        close(got[:t], ref)
-        assert torch.equal(cache[:scratch], ref_cache[:scratch])

@@ -5,8 +5,10 @@ latent cache's one row per token (hal/mla.py).
   batch, then one baddbmm (scale + additive mask, all heads against the same rows) and one bmm against the rows'
   latent part, with the softmax in fp32; a few sequences run in fp32 throughout (the bf16 small-shape kernels are
   slower, as for per-head attention).
-- Prefill chunks run one sequence at a time through torch's SDPA with the single latent "KV head" shared by every
-  query head (enable_gqa) and the latent part of the rows as values (values narrower than keys).
+- Prefill chunks run one sequence at a time through torch's SDPA, in whichever form costs fewer multiply-adds
+  (hal/mla.py's expanded_prefill_pays): expanded (kv_b_proj over the sequence's latents, per-head keys and values:
+  every fresh prompt) or absorbed (the single latent "KV head" shared by every query head, the latent part of the
+  rows as values: a short chunk after a long cached context).
 Padding every sequence of a mixed batch to the longest query and context, as the native reference does, costs
 the decodes of a step as much as its longest prefill.
 """
@@ -17,7 +19,8 @@ import torch.nn.functional as F
 
 from resin.backends.cpu.attention import CpuAttention, _Prefill
 from resin.hal.attention import AttentionLayer
-from resin.hal.mla import NativeMla, write_latents
+from resin.hal.mla import (MlaLayer, NativeMla, absorb_queries, expand_rows, expanded_prefill_pays, latent_values,
+                            write_latents)
 
 _FP32_DECODE_SEQS = 4  # decode sequences up to which the decode matmuls run in fp32
 
@@ -31,47 +34,57 @@ class CpuMla(CpuAttention):
                            device: torch.device) -> str | None:
         return NativeMla.unsupported_reason(layers, block_size, dtype, device)
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         layer = self.layers[layer_idx]
-        h, d, lat = layer.num_heads, layer.head_size, layer.latent_size
+        h, vd = layer.num_heads, layer.value_size
         write_latents(kv_cache, k, self.slot_mapping)
-        q = q.view(-1, h, d).to(kv_cache.dtype)
+        q = q.to(kv_cache.dtype)
         pages = kv_cache.view(kv_cache.shape[0], -1)  # (pages, block_size * (L + R))
         if self.decode_tokens is not None and self.decode_all:
-            return self._decode_rows(q, pages, layer).reshape(-1, h * lat)
-        out = q.new_empty(q.shape[0], h, lat)
+            return self._decode_values(q, pages, layer, v)
+        out = q.new_empty(q.shape[0], h * vd)
         if self.decode_tokens is not None:
             out.index_copy_(0, self.decode_tokens,
-                            self._decode_rows(q.index_select(0, self.decode_tokens), pages, layer))
+                            self._decode_values(q.index_select(0, self.decode_tokens), pages, layer, v))
         for p in self.prefills:
-            out[p.start:p.start + p.q_len] = self._prefill_rows(q[p.start:p.start + p.q_len], pages, layer, p)
-        return out.reshape(-1, h * lat)
+            rows = pages.index_select(0, p.blocks).view(-1, layer.head_size)[:p.seq_len]
+            qp = q[p.start:p.start + p.q_len]
+            if expanded_prefill_pays(p.q_len, p.seq_len, layer):
+                keys, values = expand_rows(rows, v, layer)
+                mask = None if p.q_len == p.seq_len else _chunk_mask(p, q.device)
+                got = F.scaled_dot_product_attention(
+                    qp.view(p.q_len, h, -1).transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=layer.scale)
+                out[p.start:p.start + p.q_len] = got[0].transpose(0, 1).reshape(p.q_len, h * vd)
+            else:
+                # every head reads the one latent row, so the heads fold into the query rows of one SDPA (enable_gqa
+                # broadcasting the row over a masked chunk ran ~4x slower), the rows' latent part as values
+                qa = absorb_queries(qp, v, layer).transpose(0, 1).reshape(1, 1, h * p.q_len, -1)
+                got = F.scaled_dot_product_attention(qa, rows[None, None], rows[None, None, :, :layer.latent_size],
+                                                     attn_mask=_chunk_mask(p, q.device).repeat(h, 1),
+                                                     scale=layer.scale)
+                got = got.view(h, p.q_len, layer.latent_size).transpose(0, 1).reshape(p.q_len, -1)
+                out[p.start:p.start + p.q_len] = latent_values(got, v, layer)
+        return out
 
-    def _decode_rows(self, q: torch.Tensor, pages: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
-        """q (B, H, L + R), one query per sequence -> (B, H, L)."""
-        b, h, d = q.shape
+    def _decode_values(self, q: torch.Tensor, pages: torch.Tensor, layer: MlaLayer,
+                       kv_b: torch.Tensor) -> torch.Tensor:
+        """q (B, H * (nope + R)), one query per sequence, absorbed -> values (B, H * v)."""
+        qa = absorb_queries(q, kv_b, layer)
+        b, h, d = qa.shape
         length = self.decode_valid.shape[1]
         rows = pages.index_select(0, self.decode_blocks.flatten()).view(b, length, d)
         if b <= _FP32_DECODE_SEQS and rows.dtype != torch.float32:
-            rows, q = rows.float(), q.float()
+            rows, qa = rows.float(), qa.float()
         bias = self._decode_bias(None, 1, h, rows.dtype)  # (B, H, length)
-        scores = torch.baddbmm(bias, q, rows.transpose(1, 2), alpha=layer.scale)
+        scores = torch.baddbmm(bias, qa, rows.transpose(1, 2), alpha=layer.scale)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
-        return torch.bmm(probs, rows[..., :layer.latent_size]).to(self.dtype)
+        out = torch.bmm(probs, rows[..., :layer.latent_size]).to(self.dtype)
+        return latent_values(out.reshape(b, -1), kv_b, layer)
 
-    def _prefill_rows(self, q: torch.Tensor, pages: torch.Tensor, layer: AttentionLayer,
-                      p: _Prefill) -> torch.Tensor:
-        """q (q_len, H, L + R) of one sequence whose context is p.seq_len tokens (the chunk is its tail)."""
-        rows = pages.index_select(0, p.blocks).view(-1, layer.head_size)[:p.seq_len].view(1, 1, p.seq_len, -1)
-        qh = q.transpose(0, 1).unsqueeze(0)  # (1, H, q_len, L + R)
-        values = rows[..., :layer.latent_size]
-        if p.q_len == p.seq_len:
-            out = F.scaled_dot_product_attention(qh, rows, values, is_causal=True, scale=layer.scale,
-                                                 enable_gqa=True)
-        else:
-            q_pos = torch.arange(p.seq_len - p.q_len, p.seq_len, device=q.device).unsqueeze(1)
-            mask = torch.arange(p.seq_len, device=q.device).unsqueeze(0) <= q_pos
-            out = F.scaled_dot_product_attention(qh, rows, values, attn_mask=mask, scale=layer.scale,
-                                                 enable_gqa=True)
-        return out[0].transpose(0, 1)
+
+def _chunk_mask(p: _Prefill, device: torch.device) -> torch.Tensor:
+    """(q_len, seq_len): which of its sequence's keys each query of a chunk (the tail of p.seq_len) sees."""
+    q_pos = torch.arange(p.seq_len - p.q_len, p.seq_len, device=device).unsqueeze(1)
+    return torch.arange(p.seq_len, device=device).unsqueeze(0) <= q_pos

@@ -46,9 +46,8 @@ class FlashMla(DecodeOnlyMla):
             return f"FlashMLA runs bf16 / fp16 caches, not {dtype}"
         for layer in layers:
             assert isinstance(layer, MlaLayer)
-            if (layer.latent_size, layer.head_size) != (512, 576):
-                rope = layer.head_size - layer.latent_size
-                return f"latent {layer.latent_size} + rope {rope}: FlashMLA takes 512 + 64"
+            if (layer.latent_size, layer.rope_size) != (512, 64):
+                return f"latent {layer.latent_size} + rope {layer.rope_size}: FlashMLA takes 512 + 64"
         return None
 
     def plan_decode(self, meta: AttentionMetadata) -> None:

@@ -1,6 +1,7 @@
 """Paged latent attention (MLA) over a mixed prefill + decode flat batch, as one Triton kernel plus a split-K merge.
 
-The cache holds one row per token, [latent (L) | k_rope (R)] (hal/mla.py); queries come absorbed, the same split.
+The cache holds one row per token, [latent (L) | k_rope (R)] (hal/mla.py); queries come absorbed, the same split
+(NativeMla.forward applies the layer's up-projection around the kernel).
 Each program owns a tile of BLOCK_Q query tokens of one sequence x BLOCK_H heads (every head reads the same rows,
 so a row is loaded once per tile) and walks the sequence's pages with an online softmax: scores are the latent dot
 plus the rope dot (two dots: L and R are padded apart to powers of two, 512 + 64 for DeepSeek, not 576 -> 1024),
@@ -113,9 +114,8 @@ class TritonMla(NativeMla):
             return f"KV cache dtype {dtype} is not supported by the triton MLA kernel"
         for layer in layers:
             assert isinstance(layer, MlaLayer)
-            rope = layer.head_size - layer.latent_size
-            if not 16 <= layer.latent_size <= 512 or not 16 <= rope <= 128:
-                return (f"latent {layer.latent_size} + rope {rope}: the triton MLA kernel takes a latent of "
+            if not 16 <= layer.latent_size <= 512 or not 16 <= layer.rope_size <= 128:
+                return (f"latent {layer.latent_size} + rope {layer.rope_size}: the triton MLA kernel takes a latent of "
                         f"16..512 and rope dims of 16..128")
         return None
 
@@ -151,8 +151,8 @@ class TritonMla(NativeMla):
         self.prog_seq, self.prog_q0 = (t[:batch_size] for t in self._graph_state)
         self.num_splits = self._splits(batch_size, _MAX_SPLITS)
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def latent_forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                       kv_cache: torch.Tensor) -> torch.Tensor:
         layer, meta, tuning = self.layers[layer_idx], self.meta, self.tuning
         h, d, lat = layer.num_heads, layer.head_size, layer.latent_size
         num_tokens = q.shape[0]

@@ -37,10 +37,10 @@ class DecodeOnlyMla(NativeMla):
         else:
             self.other.plan(meta)
 
-    def forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
-                kv_cache: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    def latent_forward(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                       kv_cache: torch.Tensor) -> torch.Tensor:
         if not self.decode_step:
-            return self.other.forward(layer_idx, q, k, v, kv_cache, sinks)
+            return self.other.latent_forward(layer_idx, q, k, kv_cache)
         write_latents(kv_cache, k, self.meta.slot_mapping)
         layer = self.layers[layer_idx]
         return self.decode(layer, q.view(-1, layer.num_heads, layer.head_size), kv_cache)

@@ -135,10 +135,10 @@ def test_paged_mla(gpu_device, table, shapes):
     native = hal.NativeMla([layer], bs, dtype, gpu_device)
     native.plan(meta)
     ref_cache = cache.clone()
-    ref = native.forward(0, q, rows, None, ref_cache)
+    ref = native.latent_forward(0, q, rows, ref_cache)
     mla = hal.MLA_ATTENTION([layer], bs, dtype, gpu_device)
     mla.plan(meta)
-    got = mla.forward(0, q, rows, None, cache)
+    got = mla.latent_forward(0, q, rows, cache)
     assert torch.equal(cache, ref_cache)
     close(got, ref, dtype)
 

@@ -36,8 +36,8 @@ class AiterMla(DecodeOnlyMla):
             return f"aiter's MLA decode kernels run bf16 caches, not {dtype}"
         for layer in layers:
             assert isinstance(layer, MlaLayer)
-            if (layer.latent_size, layer.head_size - layer.latent_size) != (_LATENT, _ROPE):
-                return (f"latent {layer.latent_size} + rope {layer.head_size - layer.latent_size}: aiter's MLA "
+            if (layer.latent_size, layer.rope_size) != (_LATENT, _ROPE):
+                return (f"latent {layer.latent_size} + rope {layer.rope_size}: aiter's MLA "
                         f"decode takes {_LATENT} + {_ROPE}")
             if layer.num_heads not in _HEADS:
                 return f"{layer.num_heads} query heads per rank: aiter's MLA decode takes {_HEADS}"
