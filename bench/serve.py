@@ -86,22 +86,32 @@ async def run(args: argparse.Namespace, url: str, model: str) -> dict:
     }
 
 
-def launch_resin(run_args: list[str], log=None) -> tuple[subprocess.Popen, str]:
-    """`resin run *run_args` on a free port of 127.0.0.1; returns once /health answers 200."""
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def launch_resin(run_args: list[str], log=None) -> tuple[subprocess.Popen, str]:
+    """`resin run *run_args` on a free port of 127.0.0.1; returns once /health answers 200."""
+    port = free_port()
     cmd = [sys.executable, "-m", "resin.cli", "-q", "run", *run_args, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
+    return proc, wait_healthy(proc, f"http://127.0.0.1:{port}")
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 600) -> str:
+    """url, once its /health answers 200; the server's exit or silence past `seconds` ends the benchmark."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with status {proc.returncode}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return url
         except httpx.HTTPError:
-            time.sleep(0.25)
+            pass
+        time.sleep(0.25)
     proc.kill()
     raise SystemExit("the server did not come up")
 

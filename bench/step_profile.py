@@ -87,8 +87,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64, help="tokens of context each sequence decodes after")
     ap.add_argument("--out", default="bench/results/step_profile.json")
     ap.add_argument("--per-op", action="store_true", help="also time each HAL op (provider calls) per step")
+    ap.add_argument("--ops", default=None, help="provider overrides, as `resin run --ops` (e.g. linear=onednn)")
     args = ap.parse_args()
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="1GiB",
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory="1GiB", ops=args.ops,
               max_model_len=max(args.prompt_len + args.steps + 16, 2048))
     rows = [profile(llm, int(b), args.steps, args.per_op, args.prompt_len) for b in args.batch_sizes.split(",")]
     print(f"{'batch':>6}{'step ms':>10}{'forward ms':>12}{'overhead ms':>13}{'overhead':>10}")

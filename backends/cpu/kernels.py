@@ -224,7 +224,19 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     return extension().argmax_rows(scores)
 
 
-GEMV_MAX_ROWS = 4  # bench: 1-row GEMVs at ~1.6x oneDNN's bytes/s; from a few rows on oneDNN's GEMM catches up
+# Rows up to which the GEMV beats oneDNN (bench/step_profile.py --ops linear=onednn, bf16 built-in model, 290 tokens
+# of context). AVX512-BF16 alone (AMD EPYC): 1-row GEMVs at ~1.6x oneDNN's bytes/s, oneDNN's GEMM catches up from a
+# few rows. With AMX (Intel Xeon), oneDNN's tile GEMM wins from 2 rows: batch 4 steps 19.3 ms on oneDNN against
+# 28.2 on the GEMV, batch 1 16.5 against 15.0.
+GEMV_MAX_ROWS = 4
+GEMV_MAX_ROWS_AMX = 1
+
+
+@cache
+def gemv_max_rows() -> int:
+    from resin.hal.platform import cpu_platform
+
+    return GEMV_MAX_ROWS_AMX if "amx_bf16" in cpu_platform().cpu_flags else GEMV_MAX_ROWS
 
 
 def gemv_supported(platform: Platform) -> tuple[bool, str]:
@@ -236,8 +248,8 @@ def gemv_supported(platform: Platform) -> tuple[bool, str]:
 def gemv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu or weight.dim() != 2:
         return "bf16 x and 2-D bf16 weight on the cpu only"
-    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_ROWS:
-        return f"1 to {GEMV_MAX_ROWS} rows of x (batch-1..4 decode)"
+    if x.dim() != 2 or not 1 <= x.shape[0] <= gemv_max_rows():
+        return f"1 to {gemv_max_rows()} rows of x (few-row decode; oneDNN's GEMM is faster beyond)"
     if not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
         return "contiguous weight, bias bf16"
     return None

@@ -355,11 +355,22 @@ void write_kv(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tenso
 // common head sizes so that the row loops unroll into whole vector registers.
 
 // Calls fn(first position, rows, count) for each block's slice of the cached rows first..last-1 of one KV head,
-// walking the block table a block at a time (no division per row).
+// walking the block table a block at a time (no division per row). Blocks lie anywhere in the cache, so the
+// hardware prefetcher cannot run ahead of a block boundary: each block's first rows would be a miss waiting on
+// memory (at batch 64 x 290 tokens, ~7,000 blocks a layer, most of the kernel's time). The block kPrefetchAhead
+// further on is requested while this one is computed.
+constexpr int64_t kPrefetchAhead = 2;
+
 template <typename R, typename F>
 inline void for_each_block(const R* head, const int32_t* table, int64_t block_size, int64_t first, int64_t last,
                            int64_t d, F&& fn) {
+  const int64_t end = (last + block_size - 1) / block_size, block_bytes = block_size * d * sizeof(R);
   for (int64_t blk = first / block_size; blk * block_size < last; ++blk) {
+    if (blk + kPrefetchAhead < end) {
+      const char* ahead = reinterpret_cast<const char*>(head + static_cast<int64_t>(table[blk + kPrefetchAhead]) *
+                                                                   block_size * d);
+      for (int64_t off = 0; off < block_bytes; off += 64) __builtin_prefetch(ahead + off);
+    }
     const int64_t start = blk * block_size, lo = std::max(first, start), hi = std::min(last, start + block_size);
     fn(lo, head + (static_cast<int64_t>(table[blk]) * block_size + lo - start) * d, hi - lo);
   }
@@ -431,17 +442,57 @@ void decode_item(raw_t<T>* out, const raw_t<T>* q, float scale, const raw_t<T>* 
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bf16 on AVX512-BF16 (compiled where -march=native has it): q.k by vdpbf16ps straight from the cached bf16 rows
-// (products exact, fp32 sums), p.v by fp32 FMAs over a block of V rows converted once, with one head's
-// accumulators in registers. The compiler's vectorisation of decode_item spills its reductions and accumulators
-// to the stack (~30 GFLOP/s on 2 cores at batch 32 vs ~100 here). With the KV write, a layer's decode attention
-// is 5x faster than the plain-torch provider's gather + matmuls at batch 32 (bench/attention_paths.py).
+// (products exact, fp32 sums), p.v by fp32 FMAs over V rows widened in registers, several heads' accumulators
+// kept in registers across a block. Compute, not memory, bounds this loop (at batch 64 it read ~17 GB/s of KV
+// where the machine streams several times that), so its instruction count is what matters: sixteen keys' dot
+// products are summed by one transpose-and-add tree (sum16) instead of a horizontal reduction each, and a V row is
+// widened once per pass of heads instead of stored widened and read back per head.
 // One item's keys first..last-1 (all of them, or one part of a split range) for its G query heads, unnormalised:
 // per head mx (the largest score), sum (of exp(score - mx)) and acc (sum of exp(score - mx) * v), fp32.
+
+// Element i: the horizontal sum of v[i] (16 fp32 vectors), each in its own order of fp32 additions.
+inline __m512 sum16(const __m512* v) {
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of vectors a, b
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j)  // per lane: one partial sum of each of vectors 4j .. 4j + 3
+    w[j] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * j], u[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // add the four lanes: lane j of the result holds vectors 4j .. 4j + 3
+  const __m512 y01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
+  const __m512 y23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y01, y23, 0x88), _mm512_shuffle_f32x4(y01, y23, 0xDD));
+}
+
+inline __m512 widen_bf16(const uint16_t* row, int j) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(row + 16 * j)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// acc[h] += sum_t p[h][t] v_t for G heads (rows: count V rows; p[h] their weights; acc rows D apart).
+template <int D, int G>
+inline void add_weighted_rows(float* acc, const float* p, int64_t p_stride, const uint16_t* rows, int64_t count) {
+  constexpr int kF32Regs = D / 16;
+  __m512 a[G][kF32Regs];
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < kF32Regs; ++j) a[h][j] = _mm512_loadu_ps(acc + h * D + 16 * j);
+  for (int64_t t = 0; t < count; ++t) {
+    __m512 v[kF32Regs];
+    for (int j = 0; j < kF32Regs; ++j) v[j] = widen_bf16(rows + t * D, j);
+    for (int h = 0; h < G; ++h) {
+      const __m512 pv = _mm512_set1_ps(p[h * p_stride + t]);
+      for (int j = 0; j < kF32Regs; ++j) a[h][j] = _mm512_fmadd_ps(pv, v[j], a[h][j]);
+    }
+  }
+  for (int h = 0; h < G; ++h)
+    for (int j = 0; j < kF32Regs; ++j) _mm512_storeu_ps(acc + h * D + 16 * j, a[h][j]);
+}
+
 template <int D>
 void decode_part_bf16(float* acc, float* mx, float* sum, const uint16_t* q, float scale, const uint16_t* k_head,
                       const uint16_t* v_head, const int32_t* table, int64_t block_size, int64_t first, int64_t last,
                       int64_t group, std::vector<float>& scratch) {
-  constexpr int kBf16Regs = D / 32, kF32Regs = D / 16;
+  constexpr int kBf16Regs = D / 32, kHeadsPerPass = 256 / D;  // a pass's accumulators: 16 registers
   const int64_t len = last - first;
   std::fill(acc, acc + group * D, 0.0f);
   if (len <= 0) {  // an empty part of a split range: weighs nothing in the merge
@@ -449,15 +500,25 @@ void decode_part_bf16(float* acc, float* mx, float* sum, const uint16_t* q, floa
     std::fill(sum, sum + group, 0.0f);
     return;
   }
-  scratch.resize(group * len + block_size * D);
+  scratch.resize(group * len);
   float* scores = scratch.data();
-  float* vblock = scores + group * len;
+  const __m512 scale_v = _mm512_set1_ps(scale);
   for_each_block(k_head, table, block_size, first, last, D, [&](int64_t pos, const uint16_t* rows, int64_t count) {
     for (int64_t g = 0; g < group; ++g) {
       __m512bh qv[kBf16Regs];
       for (int j = 0; j < kBf16Regs; ++j) qv[j] = (__m512bh)_mm512_loadu_si512(q + g * D + 32 * j);
       float* s = scores + g * len + pos - first;
-      for (int64_t t = 0; t < count; ++t) {
+      int64_t t = 0;
+      for (; t + 16 <= count; t += 16) {
+        __m512 a[16];
+        for (int i = 0; i < 16; ++i) {
+          a[i] = _mm512_setzero_ps();
+          for (int j = 0; j < kBf16Regs; ++j)
+            a[i] = _mm512_dpbf16_ps(a[i], qv[j], (__m512bh)_mm512_loadu_si512(rows + (t + i) * D + 32 * j));
+        }
+        _mm512_storeu_ps(s + t, _mm512_mul_ps(sum16(a), scale_v));
+      }
+      for (; t < count; ++t) {  // a block's ragged tail
         __m512 a = _mm512_setzero_ps();
         for (int j = 0; j < kBf16Regs; ++j)
           a = _mm512_dpbf16_ps(a, qv[j], (__m512bh)_mm512_loadu_si512(rows + t * D + 32 * j));
@@ -467,20 +528,15 @@ void decode_part_bf16(float* acc, float* mx, float* sum, const uint16_t* q, floa
   });
   for (int64_t g = 0; g < group; ++g) sum[g] = exp_row(scores + g * len, len, mx + g);
   for_each_block(v_head, table, block_size, first, last, D, [&](int64_t pos, const uint16_t* rows, int64_t count) {
-    for (int64_t t = 0; t < count; ++t)
-      for (int j = 0; j < kF32Regs; ++j) {
-        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(rows + t * D + 16 * j)));
-        _mm512_storeu_ps(vblock + t * D + 16 * j, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
-      }
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 a[kF32Regs];
-      for (int j = 0; j < kF32Regs; ++j) a[j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+    for (int64_t g = 0; g < group; g += kHeadsPerPass) {
       const float* p = scores + g * len + pos - first;
-      for (int64_t t = 0; t < count; ++t) {
-        const __m512 pv = _mm512_set1_ps(p[t]);
-        for (int j = 0; j < kF32Regs; ++j) a[j] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vblock + t * D + 16 * j), a[j]);
+      const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g);
+      if constexpr (kHeadsPerPass == 4) {
+        if (heads == 4) add_weighted_rows<D, 4>(acc + g * D, p, len, rows, count);
+        if (heads == 3) add_weighted_rows<D, 3>(acc + g * D, p, len, rows, count);
       }
-      for (int j = 0; j < kF32Regs; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[j]);
+      if (heads == 2) add_weighted_rows<D, 2>(acc + g * D, p, len, rows, count);
+      if (heads == 1) add_weighted_rows<D, 1>(acc + g * D, p, len, rows, count);
     }
   });
 }
