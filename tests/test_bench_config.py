@@ -52,3 +52,23 @@ def test_single_mode_measures_prefill_without_the_prefix_cache(text_model, tmp_p
     r = run_engine(sys.executable, "resin", "float32", "single", 1, str(prompts), str(text_model[0]), "", 8,
                    extra=["--no-prefix-caching", "--max-model-len", "400"])
     assert r["prompt_len"] == 300 and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+
+
+def test_serve_sweep_measures_each_point_on_its_own_prompts(tmp_path):
+    """serve_sweep.py end to end without a vLLM venv (bench/serve.py's client against a real `resin run` of the
+    built-in model): a median row per concurrency, every request answered in full, and the seed of each point
+    differs, so no point finds the prompts of another in the prefix cache."""
+    import json
+    import subprocess
+
+    out = tmp_path / "sweep.json"
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    done = subprocess.run([sys.executable, str(bench / "serve_sweep.py"), "--concurrency", "1,2", "--rounds", "2",
+                           "--waves", "1", "--min-prompts", "2", "--input-len", "8", "--output-len", "3",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [(m["server"], m["concurrency"], m["rounds"]) for m in result["medians"]] == [("resin", 1, 2),
+                                                                                       ("resin", 2, 2)]
+    assert all(r["output_throughput"] > 0 and r["median_ttft_ms"] > 0 for r in result["rows"])
+    assert len(result["rows"]) == 4 and len({r["seed"] for r in result["rows"]}) == 4

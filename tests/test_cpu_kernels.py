@@ -182,6 +182,41 @@ def test_argmax_equals_torch(rows, n):
     assert kernels.argmax_args(x.double()) is not None and kernels.argmax_args(x.t()) is not None
 
 
+@pytest.mark.parametrize("rows, n", [(1, 49152), (6, 37), (40, 1000), (3, 1)])
+def test_random_sample_equals_native(rows, n):
+    """Fresh random logits with -inf entries, a row with one finite token, uniforms at 0 and just below 1: the
+    kernel's draw equals native's wherever u x total is not within fp32 rounding of a CDF boundary (the kernel sums
+    fp32 weights in its own order; native sums fp64 ones), and it never picks a token of zero weight."""
+    x = (torch.randn(rows, n + 5) * 4)[:, :n]
+    x[torch.rand(rows, n) < 0.2] = float("-inf")
+    x[:, 0] = torch.randn(rows)  # every row keeps a finite maximum
+    if rows > 2:
+        x[2, 1:] = float("-inf")
+    u = torch.rand(rows, dtype=torch.float64)
+    u[0] = 0.0
+    if rows > 1:
+        u[1] = 1.0 - 2.0 ** -53
+    assert kernels.random_sample_args(x, u) is None
+    got, ref = kernels.random_sample(x, u), hal.RANDOM_SAMPLE.native(x, u)
+    assert (x.gather(1, got.unsqueeze(1)) > float("-inf")).all()
+    cdf = torch.exp(x.double() - x.double().amax(1, keepdim=True)).cumsum(1)
+    target = u * cdf[:, -1]
+    for r in torch.nonzero(got != ref).flatten().tolist():
+        lo = min(got[r].item(), ref[r].item())
+        gap = (cdf[r, lo] - target[r]).abs().item()
+        assert gap <= 1e-5 * cdf[r, -1].item(), f"row {r}: {got[r].item()} vs {ref[r].item()}, gap {gap}"
+    assert kernels.random_sample_args(x.double(), u) is not None and kernels.random_sample_args(x, u.float())
+
+
+def test_random_sample_kernel_follows_the_distribution():
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, float("-inf"), 0.5])
+    n = 40000
+    draws = kernels.random_sample(logits.expand(n, 6).contiguous(), torch.rand(n, dtype=torch.float64))
+    freq = torch.bincount(draws, minlength=6).double() / n
+    probs = torch.softmax(logits.double(), 0)
+    assert ((freq - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt()).all()  # 5 standard deviations
+
+
 def test_cpp_attention_declines_other_dtypes():
     layers = [hal.AttentionLayer(4, 2, 16, 0.25)]
     assert "float64" in CppAttention.unsupported_reason(layers, 16, torch.float64, torch.device("cpu"))

@@ -49,7 +49,8 @@ def test_cpu_selection_table():
     else:
         assert linear_chain == ["native"] and sel.table["linear"].skipped[0][0] == "onednn"
     assert [p.name for p in sel.table["rotary"].chain] == cpp + ["cpu", "native"]
-    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "quant_linear", "quant_embedding", "argmax"):
+    for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "quant_linear", "quant_embedding", "argmax",
+                 "random_sample"):
         assert [p.name for p in sel.table[name].chain] == cpp + ["native"]
     assert [p.name for p in sel.table["gated_delta_rule"].chain] == ["chunked", "native"]
     assert [p.name for p in sel.table["mla_attention"].chain] == ["cpu", "native"]
@@ -58,8 +59,8 @@ def test_cpu_selection_table():
         assert [p.name for p in sel.table[name].chain] == shm + ["native"]
     assert all(c.chosen == "native" for name, c in sel.table.items()
                if name not in ("attention", "linear", "rotary", "rms_norm", "fused_add_rms_norm", "silu_and_mul",
-                               "gated_delta_rule", "quant_linear", "quant_embedding", "argmax", "all_reduce",
-                               "all_gather", "mla_attention"))
+                               "gated_delta_rule", "quant_linear", "quant_embedding", "argmax", "random_sample",
+                               "all_reduce", "all_gather", "mla_attention"))
     text = sel.format_table()
     assert "gelu_and_mul" in text and "only provider on this backend" in text and "first in priority order" in text
 

@@ -2,7 +2,7 @@
 
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
 against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused
-norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax, bf16 GEMVs for 1-4 rows, linear layers
+norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax and random draw, bf16 GEMVs for 1-4 rows, linear layers
 and embedding rows over packed GGUF / int8 weights; built once per machine), tensor-parallel collectives
 through shared memory when the ranks share a machine, then plain-torch providers that serve
 when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor ops), and
@@ -15,7 +15,7 @@ from resin.backends.cpu.mla import CpuMla
 from resin.hal.attention import ATTENTION
 from resin.hal.distributed import ALL_GATHER, ALL_REDUCE
 from resin.hal.mla import MLA_ATTENTION
-from resin.hal.ops import ARGMAX, FUSED_ADD_RMS_NORM, LINEAR, RMS_NORM, ROTARY, SILU_AND_MUL
+from resin.hal.ops import ARGMAX, FUSED_ADD_RMS_NORM, LINEAR, RANDOM_SAMPLE, RMS_NORM, ROTARY, SILU_AND_MUL
 from resin.hal.quant import QUANT_EMBEDDING, QUANT_LINEAR
 from resin.hal.recurrent import GATED_DELTA_RULE
 from resin.hal.selection import BackendSpec
@@ -31,6 +31,8 @@ FUSED_ADD_RMS_NORM.register("cpp", supported=kernels.supported,
 ROTARY.register("cpp", supported=kernels.supported, supports_args=kernels.rotary_args)(kernels.rotary)
 ROTARY.register("cpu", supports_args=rotary.supports_args)(rotary.rotary)
 ARGMAX.register("cpp", supported=kernels.supported, supports_args=kernels.argmax_args)(kernels.argmax)
+RANDOM_SAMPLE.register("cpp", supported=kernels.supported, supports_args=kernels.random_sample_args)(
+    kernels.random_sample)
 SILU_AND_MUL.register("cpp", supported=kernels.supported, supports_args=kernels.act_args)(kernels.silu_and_mul)
 QUANT_LINEAR.register("cpp", supported=kernels.supported, supports_args=quant.supports_args)(quant.quant_linear)
 QUANT_EMBEDDING.register("cpp", supported=kernels.supported,
@@ -48,7 +50,8 @@ BACKEND = BackendSpec("cpu", priorities={"attention": ["cpp", "cpu"], "mla_atten
                                          "rotary": ["cpp", "cpu"], "silu_and_mul": ["cpp"],
                                          "gated_delta_rule": ["chunked"], "quant_linear": ["cpp"],
                                          "quant_embedding": ["cpp"],
-                                         "argmax": ["cpp"], "all_reduce": ["shm"], "all_gather": ["shm"]},
+                                         "argmax": ["cpp"], "random_sample": ["cpp"],
+                                         "all_reduce": ["shm"], "all_gather": ["shm"]},
                       note="PyTorch on the CPU with Resin's C++ kernels for the per-layer ops (built once per "
                            "machine; plain-torch providers where no compiler is found); bf16 linear through oneDNN "
                            "with prepacked weights; GGUF / int8 weights kept packed (C++ kernels); the gated delta "

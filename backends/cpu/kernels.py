@@ -224,6 +224,18 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     return extension().argmax_rows(scores)
 
 
+def random_sample_args(logits: torch.Tensor, uniforms: torch.Tensor) -> str | None:
+    if not logits.is_cpu or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
+        return "float32 (rows, vocab) cpu logits with contiguous rows only"
+    if uniforms.dtype != torch.float64:
+        return "float64 uniforms only"
+    return None
+
+
+def random_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    return extension().random_sample(logits, uniforms)
+
+
 # Rows up to which the GEMV beats oneDNN (bench/step_profile.py --ops linear=onednn, bf16 built-in model, 290 tokens
 # of context). AVX512-BF16 alone (AMD EPYC): 1-row GEMVs at ~1.6x oneDNN's bytes/s, oneDNN's GEMM catches up from a
 # few rows. With AMX (Intel Xeon), oneDNN's tile GEMM wins from 2 rows: batch 4 steps 19.3 ms on oneDNN against

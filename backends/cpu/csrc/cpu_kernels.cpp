@@ -795,6 +795,69 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+
+// One draw per row from softmax(logits) at a uniform u (hal/ops.py's random_sample): weights exp(l - max) in fp32,
+// summed in fp64 a block of 16 at a time (4 chains per block, so the sum is not one serial chain of adds); the
+// total is the sum of the block sums, and the draw walks the block sums to the block where the cumulative weight
+// passes u x total, then that block's weights. A block whose own walk falls short of the target by rounding (its
+// weights added in another order than its sum) gives its last token of nonzero weight.
+constexpr int64_t kSampleBlock = 16;
+
+int64_t sample_row(const float* logits, int64_t n, double u, std::vector<float>& w, std::vector<double>& sums) {
+  w.assign(logits, logits + n);
+  float mx;
+  exp_row(w.data(), n, &mx);
+  const int64_t blocks = (n + kSampleBlock - 1) / kSampleBlock;
+  sums.resize(blocks);
+  double total = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kSampleBlock, hi = std::min(n, lo + kSampleBlock);
+    double part[4] = {0.0, 0.0, 0.0, 0.0};
+    for (int64_t i = lo; i < hi; ++i) part[i & 3] += w[i];
+    sums[b] = (part[0] + part[1]) + (part[2] + part[3]);
+    total += sums[b];
+  }
+  const double target = u * total;
+  double acc = 0.0;
+  int64_t last = n - 1;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kSampleBlock, hi = std::min(n, lo + kSampleBlock);
+    if (sums[b] > 0.0) last = hi - 1;
+    if (acc + sums[b] <= target) {
+      acc += sums[b];
+      continue;
+    }
+    int64_t pick = lo;
+    for (int64_t i = lo; i < hi; ++i) {
+      if (w[i] > 0.0f) pick = i;
+      acc += w[i];
+      if (acc > target) return i;
+    }
+    return pick;
+  }
+  while (last > 0 && w[last] == 0.0f) --last;  // u x total not passed at all (rounding): the last token of weight
+  return last;
+}
+
+torch::Tensor random_sample(const torch::Tensor& logits, const torch::Tensor& uniforms) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logits must be float32 (rows, n) with contiguous, non-empty rows");
+  TORCH_CHECK(uniforms.dim() == 1 && uniforms.scalar_type() == at::kDouble && uniforms.size(0) == logits.size(0),
+              "uniforms must be float64, one per row");
+  const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
+  auto out = torch::empty({rows}, logits.options().dtype(at::kLong));
+  const float* p = logits.const_data_ptr<float>();
+  const auto u = uniforms.contiguous();
+  const double* up = u.const_data_ptr<double>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> w;
+    std::vector<double> sums;
+    for (int64_t r = r0; r < r1; ++r) o[r] = sample_row(p + r * stride, n, up[r], w, sums);
+  });
+  return out;
+}
+
 }  // namespace
 
 // quant_kernels.cpp: linear layers over weights kept quantised (GGUF blocks, per-channel int8).
@@ -814,6 +877,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "one-query-per-sequence attention over a paged cache");
   m.def("bf16_gemv", &bf16_gemv, "x @ weight.T + bias in bf16 for 1-4 rows, weights streamed once");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as largest)");
+  m.def("random_sample", &random_sample, "one draw per row from softmax(logits) at a uniform (inverse CDF)");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(qweight).T * scales + bias, weights unpacked row by row");
   m.def("quant_dequantize", &quant_dequantize, "quantised rows -> (N, K) float32 or bfloat16");
   m.def("quant_matmul_bf16", &quant_matmul_bf16, "bf16 x @ bf16-rounded unpacked weights, for batches of rows");
