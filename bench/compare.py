@@ -145,12 +145,11 @@ def main() -> None:
 
 
 def plot(sweep: dict, path: Path) -> None:
-    import matplotlib
+    from plots import finish_axes, pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from plots import finish_axes, save
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(7, 5))
     for key, points in sweep.items():

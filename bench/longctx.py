@@ -91,16 +91,11 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("no plot: pip install matplotlib")
+    from plots import finish_axes, pyplot, save
+
+    plt = pyplot()
+    if plt is None:
         return
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from plots import finish_axes, save
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, key, title in zip(axes, ("prefill_tok_s", "decode_tok_s"), ("prefill", "batch-1 decode")):

@@ -1,7 +1,21 @@
-"""The finishing touches every benchmark plot shares (matplotlib is imported by the caller, headless)."""
+"""What every benchmark plot shares: matplotlib imported headless (or a hint where it is missing), the finishing
+touches of an axis, saving."""
 from __future__ import annotations
 
 from pathlib import Path
+
+
+def pyplot():
+    """matplotlib.pyplot drawing headless, or None (and a hint) where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("no plot: pip install matplotlib")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def finish_axes(ax, xlabel: str, ylabel: str, title: str) -> None:

@@ -137,14 +137,11 @@ def ratio_table(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        print("no plot: pip install matplotlib")
+    from plots import finish_axes, pyplot, save
+
+    plt = pyplot()
+    if plt is None:
         return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from plots import finish_axes, save
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, label in ((axes[0], "median_ttft_ms", "median TTFT (ms)"),

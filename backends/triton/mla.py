@@ -90,7 +90,13 @@ def _paged_mla_kernel(
 
 
 class TritonMla(NativeMla):
-    """The cache layout (and page copy) of NativeMla; planning and the kernel of its own."""
+    """The cache layout (and page copy) of NativeMla; planning and the kernel of its own.
+
+    Every row runs absorbed, prefill chunks included, though expanded_prefill_pays says a fresh prompt costs ~3x
+    fewer multiply-adds per (query, key) pair expanded: the expanded form needs per-head K and V of the chunk's
+    whole context, which the latent cache does not hold, so it wants a ragged (varlen) attention kernel over
+    freshly expanded tensors, not this paged one. Until one is measured on a GPU, prefill stays on this kernel
+    (the cpu provider does choose per sequence)."""
 
     supports_graphs = True
 
