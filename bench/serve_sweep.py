@@ -175,6 +175,9 @@ def main() -> None:
     from resin.builtin import ensure_builtin_model
 
     model_dir = str(ensure_builtin_model().path)
+    unknown = set(args.servers.split(",")) - {"resin", "vllm"}
+    if unknown:
+        ap.error(f"--servers takes resin and vllm, not {', '.join(sorted(unknown))}")
     servers = [s for s in args.servers.split(",") if s == "resin" or args.vllm_python]
     rows: list[dict] = []
     peer_config: dict[str, str] = {}
@@ -199,7 +202,7 @@ def main() -> None:
                 for c in args.concurrency:
                     # the same prompts for both servers, others at every point: a prompt one point already sent
                     # would be a prefix-cache hit at the next (both servers cache prefixes by default)
-                    at = argparse.Namespace(**{**vars(args), "seed": args.seed + 1000 * (round_ + 1) + c})
+                    at = argparse.Namespace(**{**vars(args), "seed": args.seed + 100_000 * (round_ + 1) + c})
                     for name in servers if (round_ + c) % 2 == 0 else servers[::-1]:
                         rows.append({**point(name, running[name][1], c, at, model_dir), "round": round_,
                                      "seed": at.seed})

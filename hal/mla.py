@@ -83,9 +83,10 @@ def expanded_prefill_pays(q_len: int, seq_len: int, layer: MlaLayer) -> bool:
     Per head: absorbed pays q_len * L * (nope + v) to take the queries in and the outputs out of latent space, and
     (L + R) + L per (query, key) pair; expanded pays seq_len * L * (nope + v) to expand every key's latent and
     (nope + R) + v per pair. With P pairs (the causal chunk over its context), expanded wins when
-    (seq_len - q_len) * L * (nope + v) < P * (2L - nope - v): always for a fresh prompt, never for a decode over
-    a context (P = seq_len); for DeepSeek-V3 (L 512, nope 128, v 128) a chunk after cached context once it has
-    more than ~170 queries."""
+    (seq_len - q_len) * L * (nope + v) < P * (2L - nope - v): for every fresh prompt where 2L > nope + v (as in
+    every MLA model), never for a decode over a context (P = seq_len); for DeepSeek-V3 (L 512, nope 128, v 128) a
+    chunk after cached context once it has more than ~170 queries. Memory is the provider's to weigh: the
+    expanded form holds every head's K and V of the whole context for the chunk."""
     lat, nv = layer.latent_size, layer.nope_size + layer.value_size
     ctx = seq_len - q_len
     pairs = q_len * ctx + q_len * (q_len + 1) // 2

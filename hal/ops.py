@@ -82,12 +82,12 @@ def _argmax(scores: torch.Tensor) -> torch.Tensor:
 def _random_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """A draw from each row's softmax by inverting its CDF at one uniform: logits (rows, vocab) fp32, finite or
     -inf with a finite maximum; uniforms (rows,) fp64 in [0, 1) -> (rows,) int64, the first index whose cumulative
-    weight exceeds u x the row's total. Weights exp(l - max) and their sums in fp64.
+    weight exceeds u x the row's total, never a token of weight 0. Weights exp(l - max) in fp32, summed in fp64.
 
     One uniform a row instead of an exponential per vocabulary entry (the argmax(p / Exp(1)) race): drawing 49,152
     exponentials per row cost ~1.5 ms a row on a CPU core, more than the model's decode step at batch 16."""
-    weights = torch.exp(logits.double() - logits.amax(dim=-1, keepdim=True).double())
-    cdf = weights.cumsum(dim=-1)
+    weights = torch.exp(logits - logits.amax(dim=-1, keepdim=True))
+    cdf = weights.cumsum(dim=-1, dtype=torch.float64)
     target = (uniforms.double() * cdf[:, -1]).unsqueeze(1)
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logits.shape[-1] - 1)
 

@@ -108,7 +108,6 @@ class CheckedModel:
     check: SelfCheckReport | None
 
 
-
 # Tokens one CPU step may hold. The linear layers' GEMMs run best on ~2048 rows (their operands stay in cache): 32
 # prompts of 256 tokens prefill in 1.32 s at 2048 or 4096 a step against 1.76 s at 8192 (built-in model, bf16,
 # 2-core Xeon), and a step that long stalls every running sequence's next token. vLLM-CPU's server default too.
@@ -118,6 +117,7 @@ CPU_BATCHED_TOKENS = 2048
 def default_batched_tokens(max_model_len: int, platform_kind: str) -> int:
     """--max-num-batched-tokens when not given: on a GPU up to 8192 (a long prompt in few steps), on a CPU 2048."""
     return CPU_BATCHED_TOKENS if platform_kind == "cpu" else max(2048, min(max_model_len, 8192))
+
 
 def packing_for(quantization: str, selection: Selection) -> str:
     """Packed weights only where a kernel runs them: the native quant_linear unpacks every weight on every call

@@ -113,8 +113,9 @@ def test_silu_and_mul_extreme_inputs():
     [(5, 1), (17, 1), (33, 1), (70, 1)],  # decode only
 ])
 @pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("h,hk,d", [(6, 2, 24), (9, 3, 64), (10, 2, 64), (4, 4, 128)])  # groups 3, 5: passes of 4 + 1
-@pytest.mark.parametrize("block_size", [4, 16])
+# groups of 3 and 5 at D = 64 (passes of 4 + 1), 4 at D = 128 (passes of 2 + 2)
+@pytest.mark.parametrize("h,hk,d", [(6, 2, 24), (9, 3, 64), (10, 2, 64), (4, 4, 128), (8, 2, 128)])
+@pytest.mark.parametrize("block_size", [4, 16, 24])  # 24: sixteen keys at a time, then a tail of eight
 def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d, block_size):
     """Decode rows through the C++ kernel (prefill rows still SDPA), KV written by the C++ writer."""
     layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)

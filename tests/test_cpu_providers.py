@@ -84,12 +84,19 @@ def test_prefill_chunk_after_a_prefix_matches_native(dtype, tol, shapes):
     [(5, 1), (17, 1), (33, 1), (2, 1), (8, 1), (30, 1)],  # decode only, past the fp32 batch
     [(13, 13), (29, 5)],  # prefill only: a fresh prompt (expanded), a short chunk after context (absorbed)
 ])
-def test_cpu_latent_attention_matches_native(dtype, tol, shapes):
+@pytest.mark.parametrize("tight", [False, True])
+def test_cpu_latent_attention_matches_native(dtype, tol, shapes, tight, monkeypatch):
     """The latent (MLA) cache is the same layout for both: the caches must end equal (the row write) and each
     head's values agree to the dtype's rounding, whichever form the provider chose for a prefill (the native
-    reference absorbs everything)."""
+    reference absorbs everything). tight: memory caps so small that no prefill may expand and the absorbed form's
+    folded mask takes one or two heads per call."""
+    from resin.backends.cpu import mla as cpu_mla
     from resin.backends.cpu.mla import CpuMla
     from resin.hal.mla import expanded_prefill_pays
+
+    if tight:
+        monkeypatch.setattr(cpu_mla, "_EXPANDED_ELEMENTS", 0)
+        monkeypatch.setattr(cpu_mla, "_MASK_ELEMENTS", 400)
 
     layer = hal.mla_layer(6, 40, 8, 16, 16, scale=24 ** -0.5)
     prefills = [(seq_len, q_len) for seq_len, q_len in shapes if q_len > 1]

@@ -168,3 +168,17 @@ def test_native_paged_attention_mixed_batch(window, cap, with_sinks, h, hk, d):
     assert torch.equal(cache[1].reshape(-1, hk, d)[slot_mapping], v.view(t, hk, d))
     ref = _attention_ref(q, cache, seqs, layer, block_size, sinks)
     assert (f64(out) - ref).abs().max().item() < 1e-5
+
+
+def test_random_sample_native_follows_the_distribution_and_skips_masked_tokens():
+    """The sampler's draw: frequencies within 5 standard deviations of softmax(logits), a -inf token never drawn,
+    u = 0 the first token of weight and u just below 1 the last."""
+    logits = torch.tensor([1.0, 0.0, float("-inf"), 2.0, 0.5, float("-inf")])
+    n = 40000
+    draws = hal.RANDOM_SAMPLE.native(logits.expand(n, 6).contiguous(), torch.rand(n, dtype=torch.float64))
+    freq = torch.bincount(draws, minlength=6).double() / n
+    probs = torch.softmax(logits.double(), 0)
+    assert ((freq - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt()).all() and freq[2] == freq[5] == 0
+    edges = hal.RANDOM_SAMPLE.native(logits.expand(2, 6).contiguous(),
+                                     torch.tensor([0.0, 1.0 - 2.0 ** -53], dtype=torch.float64))
+    assert edges.tolist() == [0, 4]

@@ -2,9 +2,9 @@
 
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
 against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused
-norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax and random draw, bf16 GEMVs for 1-4 rows, linear layers
-and embedding rows over packed GGUF / int8 weights; built once per machine), tensor-parallel collectives
-through shared memory when the ranks share a machine, then plain-torch providers that serve
+norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax and random draw, bf16 GEMVs for 1-4
+rows, linear layers and embedding rows over packed GGUF / int8 weights; built once per machine), tensor-parallel
+collectives through shared memory when the ranks share a machine, then plain-torch providers that serve
 when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor ops), and
 bf16 linear through oneDNN with weights reordered once. Latent attention (MLA) has a plain-torch provider of the
 same split (backends/cpu/mla.py).

@@ -246,9 +246,12 @@ GEMV_MAX_ROWS_AMX = 1
 
 @cache
 def gemv_max_rows() -> int:
+    from resin.backends.cpu import linear
     from resin.hal.platform import cpu_platform
 
-    return GEMV_MAX_ROWS_AMX if "amx_bf16" in cpu_platform().cpu_flags else GEMV_MAX_ROWS
+    platform = cpu_platform()
+    amx_gemm = "amx_bf16" in platform.cpu_flags and linear.supported(platform)[0]  # oneDNN there to take the rest
+    return GEMV_MAX_ROWS_AMX if amx_gemm else GEMV_MAX_ROWS
 
 
 def gemv_supported(platform: Platform) -> tuple[bool, str]:

@@ -23,6 +23,10 @@ from resin.hal.mla import (MlaLayer, NativeMla, absorb_queries, expand_rows, exp
                             write_latents)
 
 _FP32_DECODE_SEQS = 4  # decode sequences up to which the decode matmuls run in fp32
+# The expanded form holds every head's K and V of the sequence's whole context: past this many values (256 MiB in
+# bf16; a DeepSeek-V3 layer on one rank reaches it at ~3k tokens) a prefill stays absorbed, which reads latents only
+_EXPANDED_ELEMENTS = 1 << 27
+_MASK_ELEMENTS = 1 << 24  # the absorbed form's folded (heads x queries, keys) mask, per SDPA call
 
 
 class CpuMla(CpuAttention):
@@ -50,7 +54,8 @@ class CpuMla(CpuAttention):
         for p in self.prefills:
             rows = pages.index_select(0, p.blocks).view(-1, layer.head_size)[:p.seq_len]
             qp = q[p.start:p.start + p.q_len]
-            if expanded_prefill_pays(p.q_len, p.seq_len, layer):
+            if expanded_prefill_pays(p.q_len, p.seq_len, layer) and \
+                    p.seq_len * layer.expanded_kv_size <= _EXPANDED_ELEMENTS:
                 keys, values = expand_rows(rows, v, layer)
                 mask = None if p.q_len == p.seq_len else _chunk_mask(p, q.device)
                 got = F.scaled_dot_product_attention(
@@ -59,11 +64,15 @@ class CpuMla(CpuAttention):
                 out[p.start:p.start + p.q_len] = got[0].transpose(0, 1).reshape(p.q_len, h * vd)
             else:
                 # every head reads the one latent row, so the heads fold into the query rows of one SDPA (enable_gqa
-                # broadcasting the row over a masked chunk ran ~4x slower), the rows' latent part as values
-                qa = absorb_queries(qp, v, layer).transpose(0, 1).reshape(1, 1, h * p.q_len, -1)
-                got = F.scaled_dot_product_attention(qa, rows[None, None], rows[None, None, :, :layer.latent_size],
-                                                     attn_mask=_chunk_mask(p, q.device).repeat(h, 1),
-                                                     scale=layer.scale)
+                # broadcasting the row over a masked chunk ran ~4x slower), the rows' latent part as values; a few
+                # heads at a time, so the folded mask stays bounded however long the context
+                qa = absorb_queries(qp, v, layer).transpose(0, 1)  # (H, q_len, L + R)
+                mask = _chunk_mask(p, q.device)
+                step = max(1, min(h, _MASK_ELEMENTS // mask.numel()))
+                got = torch.cat([F.scaled_dot_product_attention(
+                    qa[g:g + step].reshape(1, 1, -1, qa.shape[-1]), rows[None, None],
+                    rows[None, None, :, :layer.latent_size], attn_mask=mask.repeat(min(step, h - g), 1),
+                    scale=layer.scale)[0, 0] for g in range(0, h, step)])  # (H * q_len, L)
                 got = got.view(h, p.q_len, layer.latent_size).transpose(0, 1).reshape(p.q_len, -1)
                 out[p.start:p.start + p.q_len] = latent_values(got, v, layer)
         return out

@@ -88,9 +88,10 @@ const raw_t<T>* raw_ptr(const torch::Tensor& t) {
 }
 
 // exp(x) for x <= 0 .. 88: 2^n * p(r) with r = x - n ln2 (Cephes' single-precision coefficients, ~1 ulp).
-// Plain arithmetic so that loops over it vectorise; libm's expf does not without -ffast-math.
+// Plain arithmetic so that loops over it vectorise; libm's expf does not without -ffast-math. x below -87 gives 0;
+// the clamp at -88 keeps -inf (a masked logit) from reaching the integer conversion, where it is undefined.
 inline float poly_exp(float x) {
-  const float clamped = std::min(x, 88.0f);
+  const float clamped = std::clamp(x, -88.0f, 88.0f);
   const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
   float r = clamped - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
