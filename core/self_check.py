@@ -96,13 +96,11 @@ def _attention_check(cls: type, layer: AttentionLayer, dtype: torch.dtype, devic
     for rows, q_lens, ctx_lens in steps:
         meta = step_metadata(tables[rows], q_lens, ctx_lens, block_size, device)
         t = sum(q_lens)
-        q, k, v = (torch.randn(t, n * layer.head_size, generator=gen).to(device, dtype)
-                   for n in (layer.num_heads, layer.num_kv_heads, layer.num_kv_heads))
+        q, k, v = (x.to(device, dtype) for x in layer.random_inputs(t, gen))
         outs = []
         for backend, cache in zip(backends, caches):
             backend.plan(meta)
-            v_in = v.clone() if layer.kv_tensors == 2 else None  # latent attention: values are in the keys
-            outs.append(backend.forward(0, q.clone(), k.clone(), v_in, cache, sinks))
+            outs.append(backend.forward(0, q.clone(), k.clone(), v.clone(), cache, sinks))
         diff, error, tolerance = compare(outs[0], outs[1], op.tolerance)
         worst = max(worst, diff)
         if error is not None:

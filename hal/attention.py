@@ -31,6 +31,12 @@ class AttentionLayer:
         """Cache tensors per layer: keys and values (a latent-attention layer keeps one, hal/mla.py)."""
         return 2
 
+    def random_inputs(self, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fresh (q, k, v) for `tokens` new tokens, shaped as this layer's backend forward takes them (the
+        startup self-check feeds them to a provider and to native)."""
+        return tuple(torch.randn(tokens, n * self.head_size, generator=gen)
+                     for n in (self.num_heads, self.num_kv_heads, self.num_kv_heads))
+
 
 @dataclass
 class AttentionMetadata:

@@ -36,6 +36,13 @@ class MlaLayer(AttentionLayer):
     def rope_size(self) -> int:
         return self.head_size - self.latent_size
 
+    def random_inputs(self, tokens: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries after rotary, new latent rows, and an up-projection scaled so each head's values stay near 1."""
+        q = torch.randn(tokens, self.num_heads * (self.nope_size + self.rope_size), generator=gen)
+        rows = torch.randn(tokens, self.head_size, generator=gen)
+        kv_b = torch.randn(self.num_heads, self.nope_size + self.value_size, self.latent_size, generator=gen)
+        return q, rows, kv_b / self.latent_size ** 0.5
+
     @property
     def expanded_kv_size(self) -> int:
         """What one token's K and V expanded to every head would hold, for the capacity report."""

@@ -1,7 +1,8 @@
-"""DeepSeek-V2/V3 against transformers: multi-head latent attention over a latent cache (absorbed weights), in
-config variants (with and without the query bottleneck, rotary in halves or interleaved, with and without YaRN,
-q/k/v bias, greedy or grouped routing) through the paged cache, in mixed chunked batches, past the original
-context; the cache's size per token and the capacity the startup log reports; the MTP layers left out, said so."""
+"""DeepSeek-V2/V3 against transformers: multi-head latent attention over a latent cache (the cpu provider: decodes
+absorbed, fresh prompts expanded, chunks after context as expanded_prefill_pays says), in config variants (with and
+without the query bottleneck, rotary in halves or interleaved, with and without YaRN, q/k/v bias, greedy or grouped
+routing) through the paged cache, in mixed chunked batches, past the original context; the cache's size per token
+and the capacity the startup log reports; the MTP layers left out, said so."""
 from __future__ import annotations
 
 import json
@@ -38,8 +39,9 @@ def test_variant_matches_hf_past_the_original_context(variant, tmp_path):
     arch, overrides = VARIANTS[variant]
     hf = save_tiny(tmp_path, arch, seed=random.randrange(1000), **overrides)
     rec = LogitsRecorder()
+    # chunked prefills beside decodes; strict: the startup self-check may not drop the provider under test
     llm = LLM(str(tmp_path), dtype="float32", logits_observer=rec, kv_cache_memory="8MiB",
-              max_num_batched_tokens=40)  # chunked prefills beside decodes
+              max_num_batched_tokens=40, self_check="strict")
     rng = random.Random()
     # the tiny configs' YaRN extends 64 (or 48) original positions; 150 + 6 runs well past them
     prompts = [[rng.randrange(211) for _ in range(n)] for n in (2, 19, 70, 150)]
