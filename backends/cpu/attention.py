@@ -44,6 +44,17 @@ class _Prefill:
     blocks: torch.Tensor  # this sequence's block ids, enough to cover seq_len
 
 
+def chunk_mask(p: _Prefill, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """(q_len, seq_len): which of its sequence's keys each query of a chunk (the tail of p.seq_len) sees: causal,
+    and within the sliding window where there is one."""
+    q_pos = torch.arange(p.seq_len - p.q_len, p.seq_len, device=device).unsqueeze(1)
+    key_pos = torch.arange(p.seq_len, device=device).unsqueeze(0)
+    mask = key_pos <= q_pos
+    if window is not None:
+        mask &= key_pos > q_pos - window
+    return mask
+
+
 class CpuAttention(AttentionBackend):
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
@@ -169,11 +180,7 @@ class CpuAttention(AttentionBackend):
             w1, w2 = (lse1 - top).exp_().unsqueeze(-1), (lse2 - top).exp_().unsqueeze(-1)
             out = ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
         else:
-            q_pos = torch.arange(p.seq_len - p.q_len, p.seq_len, device=q.device).unsqueeze(1)
-            key_pos = torch.arange(p.seq_len, device=q.device).unsqueeze(0)
-            mask = key_pos <= q_pos
-            if window is not None:
-                mask &= key_pos > q_pos - window
+            mask = chunk_mask(p, q.device, window)
             out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=layer.scale,
                                                  enable_gqa=hk != h)
         return out[0].transpose(0, 1)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from resin.backends.cpu.attention import CpuAttention, _Prefill
+from resin.backends.cpu.attention import CpuAttention, chunk_mask
 from resin.hal.attention import AttentionLayer
 from resin.hal.mla import (MlaLayer, NativeMla, absorb_queries, expand_rows, expanded_prefill_pays, latent_values,
                             write_latents)
@@ -57,7 +57,7 @@ class CpuMla(CpuAttention):
             if expanded_prefill_pays(p.q_len, p.seq_len, layer) and \
                     p.seq_len * layer.expanded_kv_size <= _EXPANDED_ELEMENTS:
                 keys, values = expand_rows(rows, v, layer)
-                mask = None if p.q_len == p.seq_len else _chunk_mask(p, q.device)
+                mask = None if p.q_len == p.seq_len else chunk_mask(p, q.device)
                 got = F.scaled_dot_product_attention(
                     qp.view(p.q_len, h, -1).transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                     values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=layer.scale)
@@ -67,7 +67,7 @@ class CpuMla(CpuAttention):
                 # broadcasting the row over a masked chunk ran ~4x slower), the rows' latent part as values; a few
                 # heads at a time, so the folded mask stays bounded however long the context
                 qa = absorb_queries(qp, v, layer).transpose(0, 1)  # (H, q_len, L + R)
-                mask = _chunk_mask(p, q.device)
+                mask = chunk_mask(p, q.device)
                 step = max(1, min(h, _MASK_ELEMENTS // mask.numel()))
                 got = torch.cat([F.scaled_dot_product_attention(
                     qa[g:g + step].reshape(1, 1, -1, qa.shape[-1]), rows[None, None],
@@ -91,9 +91,3 @@ class CpuMla(CpuAttention):
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(rows.dtype)
         out = torch.bmm(probs, rows[..., :layer.latent_size]).to(self.dtype)
         return latent_values(out.reshape(b, -1), kv_b, layer)
-
-
-def _chunk_mask(p: _Prefill, device: torch.device) -> torch.Tensor:
-    """(q_len, seq_len): which of its sequence's keys each query of a chunk (the tail of p.seq_len) sees."""
-    q_pos = torch.arange(p.seq_len - p.q_len, p.seq_len, device=device).unsqueeze(1)
-    return torch.arange(p.seq_len, device=device).unsqueeze(0) <= q_pos
