@@ -2,6 +2,7 @@
 (one query) and prefill chunks, bf16, SmolLM2-135M's head shape (9 query heads, 3 KV heads, head size 64).
 
     python bench/attention_paths.py
+    python bench/attention_paths.py --prefill     # prefill chunks only: the cpu provider's SDPA vs cpp's kernel
 
 Decode: SDPA with a padding mask vs fp32 SDPA vs two plain matmuls with the GQA heads stacked, in bf16 and with
 K/V upcast to fp32 (faster for few sequences). Block gather: advanced indexing vs index_select over whole block
@@ -105,6 +106,33 @@ def prefill_paths(lengths: list[int], h: int = 9, hk: int = 3, d: int = 64) -> d
                                                        for q, k in zip(qs, ks)], 5)}
 
 
+def paged_prefill_paths(shapes: list[tuple[int, int]], h: int = 9, hk: int = 3, d: int = 64,
+                        bs: int = 16) -> dict[str, float]:
+    """One layer's prefill chunks as the providers run them (KV write included), bf16: the `cpu` provider (SDPA per
+    sequence over gathered K/V; a chunk after a prefix as two flash calls merged) vs the `cpp` provider (the brgemm
+    flash kernel reading the paged cache, where torch's ukernels have AMX tiles; otherwise the same SDPA)."""
+    from attention_batches import paged_batch
+    from resin import hal
+    from resin.backends.cpu import kernels
+    from resin.backends.cpu.attention import CppAttention, CpuAttention
+    from resin.hal.platform import cpu_platform
+
+    num_blocks = sum(-(-c // bs) for c, _ in shapes) + 4
+    meta, t = paged_batch(shapes, bs, num_blocks)
+    layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5)
+    cache = torch.randn(2, hk, num_blocks, bs, d).to(torch.bfloat16)
+    q, k, v = (torch.randn(t, n * d).to(torch.bfloat16) for n in (h, hk, hk))
+    providers = [("cpu_sdpa", CpuAttention)]
+    if kernels.supported(cpu_platform())[0]:
+        providers.append(("cpp_flash" if kernels.flash_prefill() else "cpp_sdpa", CppAttention))
+    out = {}
+    for name, cls in providers:
+        backend = cls([layer], bs, torch.bfloat16, torch.device("cpu"))
+        backend.plan(meta)
+        out[name] = bench(lambda: backend.forward(0, q, k, v, cache), 5)
+    return out
+
+
 def mla_paths(shapes: list[tuple[int, int]], bs: int = 16) -> dict[str, float]:
     """One DeepSeek-V3-shaped MLA layer (16 heads: 128 over 8 ranks): the native reference (absorbed, padded), the
     cpu provider (its per-sequence choice of form), and the cpu provider held to the absorbed form."""
@@ -133,6 +161,12 @@ def mla_paths(shapes: list[tuple[int, int]], bs: int = 16) -> dict[str, float]:
 
 def main() -> None:
     torch.manual_seed(0)
+    if "--prefill" in sys.argv[1:]:  # prefill chunks only: SDPA against the brgemm kernel, per layer
+        for label, shapes in (("32 prompts of 256", [(256, 256)] * 32), ("a prompt of 1024", [(1024, 1024)]),
+                              ("a prompt of 4096", [(4096, 4096)]), ("2048 after 2048", [(4096, 2048)]),
+                              ("1856 after 6144", [(8000, 1856)])):
+            print(f"prefill {label:<18}", {k: f"{v:.2f} ms" for k, v in paged_prefill_paths(shapes).items()})
+        return
     for label, shapes in (("decode B=1 L=1000", [(1000, 1)]), ("decode B=16 L=300", [(300, 1)] * 16),
                           ("mixed 15 decodes L=300 + 256-token chunk", [(300, 1)] * 15 + [(512, 256)]),
                           ("fresh prompt of 1024", [(1024, 1024)]), ("64-token chunk after 960", [(1024, 64)])):

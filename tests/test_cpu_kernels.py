@@ -141,6 +141,61 @@ def test_cpp_decode_split_across_threads_matches_native(shapes, window, h, hk, d
     assert ((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-6).all()
 
 
+def _require_flash_prefill() -> None:
+    if not kernels.flash_prefill():
+        pytest.skip("requires a CPU where torch's brgemm ukernels pack bf16 (AMX tiles); prefill stays on SDPA here")
+
+
+@pytest.mark.parametrize("seq_len,q_len", [(300, 300), (77, 13), (1000, 1000), (2100, 700), (257, 1), (64, 64)])
+@pytest.mark.parametrize("h,hk,d", [(9, 3, 64), (8, 8, 64), (8, 2, 128)])
+def test_flash_prefill_matches_exact_attention(seq_len, q_len, h, hk, d):
+    """The brgemm prefill kernel on a random paged cache (blocks in random order, 16-token blocks, spare blocks
+    around them) against causal attention in float64 over the same bf16 values. The kernel rounds each probability
+    to bf16 before P.V (as torch's flash kernel does: at most 2^-9 of each weight) and its output once, so the bound
+    is 2^-8 of the weighted mean of |V| plus one bf16 step of the output; a mis-masked key or a wrong tile moves
+    outputs by far more. Fresh prompts, chunks after cached context (700 after 1400: tiles of 256 keys cut at the
+    diagonal), one query, a tile-sized prompt; 1, 3 and 4 query heads per KV head."""
+    _require_flash_prefill()
+    bs, g = 16, torch.Generator().manual_seed(torch.seed() % 2**31)
+    nblk = -(-seq_len // bs)
+    cache = torch.randn(2, hk, nblk + 7, bs, d, generator=g).to(torch.bfloat16)
+    table = torch.randperm(nblk + 7, generator=g)[:nblk].to(torch.int32)
+    q = torch.randn(q_len, h * d, generator=g).to(torch.bfloat16)
+    got = kernels.extension().flash_prefill_attention(q, cache, table, seq_len, h, d ** -0.5).double()
+    kv = cache.double()[:, :, table.long()].flatten(2, 3)[:, :, :seq_len]  # (2, Hk, seq_len, D)
+    keys, values = kv[0].repeat_interleave(h // hk, 0), kv[1].repeat_interleave(h // hk, 0)
+    qh = q.double().view(q_len, h, d).transpose(0, 1)
+    visible = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+    probs = (qh @ keys.transpose(1, 2) * d ** -0.5).masked_fill(~visible, float("-inf")).softmax(-1)
+    ref = (probs @ values).transpose(0, 1).reshape(q_len, h * d)
+    spread = (probs @ values.abs()).transpose(0, 1).reshape(q_len, h * d)
+    assert ((got - ref).abs() <= 2.0 ** -8 * (spread + ref.abs())).all()
+
+
+@pytest.mark.parametrize("shapes", [[(300, 300), (9, 1), (700, 200)], [(13, 13), (1000, 1), (640, 128)]])
+def test_cpp_attention_prefill_on_the_flash_kernel(monkeypatch, shapes):
+    """The provider sends each bf16 prefill chunk to the brgemm kernel (fresh prompts and chunks after a prefix,
+    beside decode rows), and agrees with native to test_cpp_attention_matches_native's bf16 tolerance."""
+    import resin.backends.cpu.attention as attention
+
+    _require_flash_prefill()
+    real, chunks = kernels.extension(), []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def flash_prefill_attention(self, q, *args):
+            chunks.append(q.shape[0])
+            return real.flash_prefill_attention(q, *args)
+
+    monkeypatch.setattr(attention, "extension", Recording)
+    layer = hal.AttentionLayer(9, 3, 64, scale=64 ** -0.5)
+    ref, got = head_major_outputs(CppAttention, layer, shapes, torch.bfloat16, block_size=16, num_blocks=256)
+    assert sorted(chunks) == sorted(q for _, q in shapes if q > 1)
+    assert (got - ref).abs().max().item() <= 1.6e-2
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [576, 1536, 100])
 def test_bf16_gemv_matches_native(rows, k):

@@ -153,9 +153,15 @@ def test_gemm_path_in_tiles(monkeypatch, dtype):
     _check(x, qweight, INT8, torch.rand(37, generator=g) * 0.01, torch.randn(37, generator=g), path=quant._tiled_gemm)
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["panel-gemm", "amx-tiles"])
 @pytest.mark.parametrize("qtype", ["q4_1", "q6_k", INT8])
-def test_panel_gemm_at_prefill_sizes(qtype):
-    """bf16 prefill runs the panel GEMM too: many 12-row passes, a partial last panel (70 = 2 x 32 + 6 rows)."""
+def test_bf16_gemm_paths_at_prefill_sizes(monkeypatch, qtype, amx):
+    """bf16 prefill on either path, whatever this CPU has: the panel GEMM (CPUs with AVX512-BF16 but no AMX: many
+    12-row passes, a partial last panel, 70 = 2 x 32 + 6 rows; tiles where the CPU lacks AVX512-BF16 too) and
+    tiles unpacked into torch's GEMM (where it reaches AMX)."""
+    from resin.backends.cpu import kernels
+
+    monkeypatch.setattr(kernels, "amx_gemm", lambda: amx)
     g = _seeded()
     x = torch.randn(300, 768, generator=g).to(torch.bfloat16)
     if qtype == INT8:

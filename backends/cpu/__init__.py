@@ -1,13 +1,13 @@
 """The reference backend: every op has the HAL's native, vectorised PyTorch implementation as its oracle.
 
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
-against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused
-norms, rotary, silu-and-mul, paged decode attention, the sampler's argmax and random draw, bf16 GEMVs for 1-4
-rows, linear layers and embedding rows over packed GGUF / int8 weights; built once per machine), tensor-parallel
-collectives through shared memory when the ranks share a machine, then plain-torch providers that serve
-when no compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor ops), and
-bf16 linear through oneDNN with weights reordered once. Latent attention (MLA) has a plain-torch provider of the
-same split (backends/cpu/mla.py).
+against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused norms,
+rotary, silu-and-mul, paged decode attention, bf16 prefill attention on torch's AMX brgemm ukernels, the sampler's
+argmax and random draw, bf16 GEMVs for 1-4 rows, linear layers and embedding rows over packed GGUF / int8 weights;
+built once per machine), tensor-parallel collectives through shared memory when the ranks share a machine, then
+plain-torch providers that serve when no compiler is present (paged attention split into decode and prefill paths,
+rotary in whole-tensor ops), and bf16 linear through oneDNN with weights reordered once. Latent attention (MLA) has
+a plain-torch provider of the same split (backends/cpu/mla.py).
 """
 from resin.backends.cpu import delta_rule, kernels, linear, quant, rotary, shm_collectives
 from resin.backends.cpu.attention import CppAttention, CpuAttention

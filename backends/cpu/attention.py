@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from resin.backends.cpu.kernels import extension
+from resin.backends.cpu.kernels import extension, flash_prefill
 from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata
 
 
@@ -188,8 +188,11 @@ class CpuAttention(AttentionBackend):
 
 class CppAttention(CpuAttention):
     """CpuAttention with decode rows and the KV write on Resin's C++ kernels (backends/cpu/kernels.py): the
-    kernel reads K and V in place through the block table, so no gather, no mask and no per-step bias; prefill
-    chunks stay on SDPA, which is compute-bound and already fused."""
+    kernel reads K and V in place through the block table, so no gather, no mask and no per-step bias. bf16
+    prefill chunks without a sliding window go to the brgemm flash kernel where torch's ukernels have AMX tiles
+    (csrc/prefill_attention.cpp: the query heads of a KV head stacked as one GEMM's rows, K/V packed once per
+    call, a chunk after cached context in one pass; `python bench/attention_paths.py --prefill` times it against
+    SDPA); other prefills stay on SDPA."""
 
     @classmethod
     def unsupported_reason(cls, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
@@ -212,6 +215,14 @@ class CppAttention(CpuAttention):
                 or k.stride(-1) != 1 or v.stride(-1) != 1 or slots.dtype != torch.int64 or not slots.is_contiguous()):
             return super()._write_kv(k, v, kv_cache)
         extension().write_kv(kv_cache, k, v, slots)
+
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer, p: _Prefill) -> torch.Tensor:
+        if (q.dtype != torch.bfloat16 or layer.sliding_window is not None or layer.head_size % 64
+                or not flash_prefill()):
+            return super()._prefill(q, kv_cache, layer, p)
+        out = extension().flash_prefill_attention(q.reshape(p.q_len, -1), kv_cache, p.blocks, p.seq_len,
+                                                  layer.num_heads, layer.scale)
+        return out.view(q.shape)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:
         b, h, d = q.shape

@@ -30,7 +30,7 @@ from resin.hal.registry import derived
 
 log = logging.getLogger("resin")
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "quant_kernels.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "prefill_attention.cpp")]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED = "build-failed.txt"  # in the build folder: the first error of a failed build, so later starts skip it
 # -fno-trapping-math lets GCC vectorise floor and float selects (it changes no value, only FP exception flags);
@@ -245,13 +245,26 @@ GEMV_MAX_ROWS_AMX = 1
 
 
 @cache
-def gemv_max_rows() -> int:
+def amx_gemm() -> bool:
+    """Whether torch's bf16 GEMM reaches AMX tiles here (oneDNN usable on a CPU with amx_bf16): it then beats
+    Resin's hand-written bf16 loops from a few rows on (the GEMV here, the quantised panel GEMM in quant.py)."""
     from resin.backends.cpu import linear
     from resin.hal.platform import cpu_platform
 
     platform = cpu_platform()
-    amx_gemm = "amx_bf16" in platform.cpu_flags and linear.supported(platform)[0]  # oneDNN there to take the rest
-    return GEMV_MAX_ROWS_AMX if amx_gemm else GEMV_MAX_ROWS
+    return "amx_bf16" in platform.cpu_flags and linear.supported(platform)[0]
+
+
+@cache
+def flash_prefill() -> bool:
+    """Whether the brgemm prefill attention kernel runs here: torch's small-GEMM ukernels pack bf16 only where
+    oneDNN has AMX tiles; elsewhere prefill stays on SDPA."""
+    return extension().flash_prefill_available()
+
+
+@cache
+def gemv_max_rows() -> int:
+    return GEMV_MAX_ROWS_AMX if amx_gemm() else GEMV_MAX_ROWS
 
 
 def gemv_supported(platform: Platform) -> tuple[bool, str]:

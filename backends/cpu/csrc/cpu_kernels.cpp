@@ -869,6 +869,11 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const std::string& qtype,
 at::Tensor quant_matmul_bf16(const at::Tensor& x, const at::Tensor& qweight, const std::string& qtype,
                              const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias);
 
+// prefill_attention.cpp: causal prefill attention of one sequence on torch's brgemm ukernels (AMX tiles).
+bool flash_prefill_available();
+at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                   int64_t seq_len, int64_t num_heads, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual add then RMSNorm; returns (normed, residual)");
@@ -876,6 +881,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("write_kv", &write_kv, "store new keys and values at their slots of the head-major cache");
   m.def("paged_decode_attention", &paged_decode_attention, "one-query-per-sequence attention over a paged cache");
+  m.def("flash_prefill_available", &flash_prefill_available, "whether torch's brgemm packs bf16 here (AMX)");
+  m.def("flash_prefill_attention", &flash_prefill_attention,
+        "causal attention of one sequence's chunk over its paged keys and values, bf16, flash style on brgemm");
   m.def("bf16_gemv", &bf16_gemv, "x @ weight.T + bias in bf16 for 1-4 rows, weights streamed once");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as largest)");
   m.def("random_sample", &random_sample, "one draw per row from softmax(logits) at a uniform (inverse CDF)");
