@@ -232,7 +232,7 @@ class LMHead(Linear):
     def __init__(self, hidden: int, vocab: int, dtype: torch.dtype = torch.float32):
         part = rank_range(vocab)
         super().__init__(hidden, part[1], dtype=dtype)
-        self.sizes = vocab_sizes(vocab)
+        self.part, self.sizes = part, vocab_sizes(vocab)
         sliced_loader(self.weight, 0, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,8 +17,8 @@ from torch import nn
 from resin import hal
 from resin.hal.quant import INT8, quant_format
 from resin.models.fp8 import checkpoint_names
-from resin.hal.distributed import row_max
-from resin.models.layers import Embedding, Linear, MergedLinear, default_loader, reduce_rows
+from resin.hal.distributed import parallel, row_max
+from resin.models.layers import Embedding, Linear, LMHead, MergedLinear, default_loader, reduce_rows, take
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,34 @@ class Segment:
     byte_offset: int  # into the flat weight (only used when a layer has several segments)
 
 
+def column_part(linear: Linear) -> tuple[int, int] | None:
+    """A row-parallel layer's input columns on this rank (None: it holds whole rows)."""
+    return getattr(linear, "in_part", None)
+
+
+def splits_on_blocks(linear: Linear, qtype: str) -> bool:
+    """Whether this rank's input columns start and end on the type's block boundaries, so its slice of each packed
+    row is whole blocks (a row-parallel layer whose split falls inside a block is dequantised on load instead)."""
+    part = column_part(linear)
+    block = quant_format(qtype).block
+    return part is None or (part[0] % block == 0 and part[1] % block == 0)
+
+
 class QuantLinear(nn.Module):
-    """y = quant_linear(x, W) + b over packed rows. shard_types: each shard's (or None's, unfused) GGUF type."""
+    """y = quant_linear(x, W) + b over packed rows. shard_types: each shard's (or None's, unfused) GGUF type.
+
+    Under tensor parallelism it keeps the layer's split: a column-parallel layer (MergedLinear) holds its rows of
+    each shard, the vocabulary-parallel lm_head its rows and gathers the logits, a row-parallel layer (RowLinear)
+    the bytes of its input columns' blocks in every row and sums the ranks' products with one all-reduce."""
 
     def __init__(self, linear: Linear, shard_types: dict[Any, str]):
         super().__init__()
         out_features, self.in_features = linear.weight.shape
+        self.parts: dict[Any, tuple[int, int]] | None = getattr(linear, "parts", None)  # column-parallel rows
+        vocab = isinstance(linear, LMHead)  # its vocabulary rows; every rank's logits gathered
+        self.vocab_part: tuple[int, int] | None = linear.part if vocab else None
+        self.vocab_sizes: tuple[int, ...] | None = linear.sizes if vocab else None
+        self.in_part = column_part(linear)
         offsets: dict[Any, tuple[int, int]] = getattr(linear, "offsets", None) or {None: (0, out_features)}
         self.segments: list[Segment] = []
         self.where: dict[Any, tuple[int, int]] = {}  # shard -> (segment, first row in it)
@@ -52,6 +74,7 @@ class QuantLinear(nn.Module):
         shape = (out_features, self.segments[0].row_bytes) if single else (offset,)
         self.weight = nn.Parameter(torch.zeros(shape, dtype=torch.uint8), requires_grad=False)
         self.weight.weight_loader = self._load_rows
+        self.weight.reads_slices = True  # _load_rows takes this rank's part of each tensor
         if linear.weight.__dict__.get("shards"):
             self.weight.shards = list(linear.weight.shards)
         self.qtype = self.segments[0].qtype if single else None
@@ -60,6 +83,14 @@ class QuantLinear(nn.Module):
     def _load_rows(self, param: nn.Parameter, tensor: torch.Tensor, shard: Any = None) -> None:
         index, row = self.where[shard]
         seg = self.segments[index]
+        if self.parts is not None:
+            tensor = take(tensor, 0, *self.parts[shard])
+        elif self.vocab_part is not None:
+            tensor = take(tensor, 0, *self.vocab_part)
+        if self.in_part is not None:  # whole blocks (splits_on_blocks): their bytes in each row
+            fmt = quant_format(seg.qtype)
+            block_bytes = fmt.row_bytes(fmt.block)
+            tensor = take(tensor, 1, self.in_part[0] // fmt.block * block_bytes, seg.row_bytes)
         rows = self._segment(param.data, index).narrow(0, row, tensor.shape[0])
         if tensor.dtype != torch.uint8 or tuple(tensor.shape) != (rows.shape[0], seg.row_bytes):
             raise ValueError(f"packed {seg.qtype} tensor of shape {tuple(tensor.shape)} {tensor.dtype} does not fit "
@@ -73,12 +104,20 @@ class QuantLinear(nn.Module):
         return flat.narrow(0, seg.byte_offset, seg.rows * seg.row_bytes).view(seg.rows, seg.row_bytes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.in_part is not None:
+            return reduce_rows(lambda bias: self._project(x, bias), self.bias)
+        out = self._project(x, self.bias)
+        if self.vocab_sizes is not None and parallel().world > 1:
+            return hal.ALL_GATHER(out, self.vocab_sizes)
+        return out
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.qtype is not None:
-            return hal.QUANT_LINEAR(x, self.weight, self.qtype, None, self.bias)
+            return hal.QUANT_LINEAR(x, self.weight, self.qtype, None, bias)
         outs, first = [], 0
         for i, seg in enumerate(self.segments):  # each with its rows of the bias, so each output rounds once
-            bias = None if self.bias is None else self.bias.narrow(0, first, seg.rows)
-            outs.append(hal.QUANT_LINEAR(x, self._segment(self.weight, i), seg.qtype, None, bias))
+            part = None if bias is None else bias.narrow(0, first, seg.rows)
+            outs.append(hal.QUANT_LINEAR(x, self._segment(self.weight, i), seg.qtype, None, part))
             first += seg.rows
         return torch.cat(outs, dim=-1)
 
@@ -106,21 +145,31 @@ class Int8Linear(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """A packed (vocab, hidden) table: rows dequantised on lookup; `project` is the tied lm_head over it."""
+    """A packed (vocab, hidden) table: rows dequantised on lookup; `project` is the tied lm_head over it. Split
+    over the vocabulary as Embedding is: each rank holds rows part = (start, size)."""
 
     def __init__(self, embedding: Embedding, qtype: str):
         super().__init__()
-        vocab, hidden = embedding.weight.shape
+        rows, hidden = embedding.weight.shape
         self.qtype, self.dtype = qtype, embedding.weight.dtype
-        self.weight = nn.Parameter(torch.zeros(vocab, quant_format(qtype).row_bytes(hidden), dtype=torch.uint8),
+        self.part, self.sizes = embedding.part, embedding.sizes
+        self.weight = nn.Parameter(torch.zeros(rows, quant_format(qtype).row_bytes(hidden), dtype=torch.uint8),
                                    requires_grad=False)
-        self.weight.weight_loader = default_loader
+        self.weight.weight_loader = lambda param, tensor, shard=None: default_loader(param, take(tensor, 0,
+                                                                                                *self.part))
+        self.weight.reads_slices = True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return hal.QUANT_EMBEDDING(ids, self.weight, self.qtype, None, self.dtype)
+        if parallel().world == 1:
+            return hal.QUANT_EMBEDDING(ids, self.weight, self.qtype, None, self.dtype)
+        start, size = self.part
+        mine = (ids >= start) & (ids < start + size)
+        rows = hal.QUANT_EMBEDDING(torch.where(mine, ids - start, 0), self.weight, self.qtype, None, self.dtype)
+        return hal.ALL_REDUCE(rows * mine.unsqueeze(-1).to(rows.dtype))
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hal.QUANT_LINEAR(hidden, self.weight, self.qtype)
+        logits = hal.QUANT_LINEAR(hidden, self.weight, self.qtype)
+        return logits if parallel().world == 1 else hal.ALL_GATHER(logits, self.sizes)
 
 
 def _fp32_bias(bias: nn.Parameter | None) -> nn.Parameter | None:
@@ -161,6 +210,8 @@ def pack_gguf_layers(model: nn.Module, packable: dict[str, str]) -> set[str]:
         if None in sources or len(sources) != len(shards) or set(shards) != set(getattr(module, "offsets", None)
                                                                                  or [None]):
             continue  # some shard is stored unpacked (or in a type without a kernel): the layer stays dense
+        if not all(splits_on_blocks(module, packable[src]) for src in sources):
+            continue  # this rank's columns cut through blocks: dequantised on load, then split
         _swap(model, name, QuantLinear(module, {s: packable[src] for s, src in zip(shards, sources)}))
         packed.update(sources)
     return packed

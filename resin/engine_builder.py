@@ -122,8 +122,6 @@ def default_batched_tokens(max_model_len: int, platform_kind: str) -> int:
 def packing_for(quantization: str, selection: Selection) -> str:
     """Packed weights only where a kernel runs them: the native quant_linear unpacks every weight on every call
     (for a large lm_head, gigabytes a step), so without a provider GGUF weights are dequantised on load."""
-    if parallel().world > 1 and quantization == "auto":
-        return "none"  # packed GGUF weights are not split over ranks yet: dequantised on load
     if quantization == "none" or selection.table["quant_linear"].chosen != "native":
         return quantization
     if quantization == "int8":

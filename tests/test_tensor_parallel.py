@@ -172,8 +172,11 @@ def test_server_answers_and_a_killed_rank_ends_it(builtin_model_ready):
     srv = ServerProcess("--tensor-parallel-size", "2", "--kv-cache-memory", "128MiB").wait_ready(timeout=300)
     try:
         client = srv.client()
+        # "Answer in one word": without it the first token is a near-tie ("The" over "L'" by 0.08 nats in fp32,
+        # below bf16's logit step at that size), which any bf16 variant (TP=1 dense included) can tip either way
         reply = client.chat.completions.create(
-            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            model="SmolLM2-135M-Instruct",
+            messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
             temperature=0, max_tokens=32).choices[0].message.content
         assert "Paris" in reply
         assert "tensor parallel over 2 ranks" in srv.logs()
@@ -277,18 +280,21 @@ def test_fp8_weights_and_scales_split_together(per_channel, tmp_path):
     assert max(rank_bytes) < 0.65 * ref_bytes
 
 
-def _greedy_tp2_equals_tp1(folder: Path, **engine) -> None:
-    outs = {}
+def _greedy_tp2_equals_tp1(folder: Path, **engine) -> dict[int, list[int]]:
+    """Asserts TP=2's greedy tokens and logits (1e-4) equal TP=1's; returns each run's per-rank weight bytes."""
+    outs, weight_bytes = {}, {}
     for tp in (1, 2):
         rec = LogitsRecorder()
         llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=tp,
                   logits_observer=rec, **engine)
         outs[tp] = (llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                                  use_tqdm=False), rec)
+        weight_bytes[tp] = list(llm.rank_weight_bytes)
         llm.shutdown()
     for a, b in zip(outs[1][0], outs[2][0]):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert (outs[2][1].of(b.request_id) - outs[1][1].of(a.request_id)).abs().max().item() <= 1e-4
+    return weight_bytes
 
 
 def test_block_fp8_weights_and_scales_split_on_block_boundaries(tmp_path):
@@ -358,6 +364,70 @@ def test_int8_rows_split_with_whole_row_scales(tmp_path):
     equals one rank's and TP=2 equals TP=1."""
     save_tiny(tmp_path, "LlamaForCausalLM", seed=3)
     _greedy_tp2_equals_tp1(tmp_path, quantization="int8")
+
+
+def test_packed_gguf_split_over_ranks(tmp_path):
+    """GGUF weights stay packed under TP: each rank's packed layers unpack to exactly its slice of the whole
+    model's (column-split rows of each shard, vocabulary rows of the embedding and lm_head, whole blocks of a
+    row-split layer's columns); a row split that cuts through blocks (o_proj: 128 columns a rank of Q5_K's 256-wide
+    blocks) is dequantised on load instead. Two real ranks then give TP=1's greedy tokens, logits within 1e-4."""
+    from test_gguf_packed import _tiny, write_packed_gguf
+
+    from resin.hal import ParallelGroup, set_parallel
+    from resin.hal.quant import dequantize
+    from resin.models.layers import RowLinear
+    from resin.models.loader import load_model
+    from resin.models.quantized import QuantEmbedding, QuantLinear
+
+    path = tmp_path / "model.gguf"
+    write_packed_gguf(path, _tiny("LlamaForCausalLM", False), "LlamaForCausalLM")
+
+    def unpack(m: QuantLinear) -> torch.Tensor:
+        return torch.cat([dequantize(m._segment(m.weight, i), seg.qtype) for i, seg in enumerate(m.segments)])
+
+    def shard_rows(m: QuantLinear) -> dict:  # shard -> its first row in the layer (shards stacked in order)
+        firsts, first = {}, 0
+        for shard, (_, size) in m.parts.items():
+            firsts[shard], first = first, first + size
+        return firsts
+
+    whole = load_model(path, torch.float32, torch.device("cpu")).model
+    kinds: dict[str, int] = {}
+    packed_bytes: dict = {}
+    for rank in range(2):
+        set_parallel(ParallelGroup(rank=rank, world=2))
+        try:
+            mine = load_model(path, torch.float32, torch.device("cpu")).model
+        finally:
+            set_parallel(ParallelGroup())
+        for name, m in mine.named_modules():
+            ref = whole.get_submodule(name)
+            if isinstance(m, QuantLinear):
+                full, local = unpack(ref), unpack(m)
+                if m.in_part is not None:
+                    kind, want = "row-split", full[:, m.in_part[0]:sum(m.in_part)]
+                elif m.parts is not None:
+                    kind, starts = "column-split", shard_rows(ref)
+                    want = torch.cat([full[starts[s] + start:starts[s] + start + size]
+                                      for s, (start, size) in m.parts.items()])
+                else:
+                    kind, want = "vocabulary", full[m.vocab_part[0]:sum(m.vocab_part)]
+            elif isinstance(m, QuantEmbedding):
+                kind, local = "embedding", dequantize(m.weight, m.qtype)
+                want = dequantize(ref.weight, ref.qtype)[m.part[0]:sum(m.part)]
+            elif isinstance(m, RowLinear) and name.endswith("o_proj"):
+                kind, local, want = "dequantised row split", m.weight, unpack(ref)[:, m.in_part[0]:sum(m.in_part)]
+            else:
+                continue
+            assert torch.equal(local, want), name
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if kind != "dequantised row split":
+                packed_bytes[rank] = packed_bytes.get(rank, 0) + m.weight.numel()
+                packed_bytes["whole"] = packed_bytes.get("whole", 0) + ref.weight.numel() * (rank == 0)
+    assert set(kinds) == {"row-split", "column-split", "vocabulary", "embedding", "dequantised row split"}, kinds
+    assert packed_bytes[0] == packed_bytes[1] == packed_bytes["whole"] / 2  # half of every packed layer a rank
+    weight_bytes = _greedy_tp2_equals_tp1(path)
+    assert max(weight_bytes[2]) < weight_bytes[1][0]  # less than the whole though o_proj is fp32 on both ranks
 
 
 def test_gloo_collectives_equal_tp1(tmp_path):
