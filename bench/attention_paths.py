@@ -124,7 +124,7 @@ def paged_prefill_paths(shapes: list[tuple[int, int]], h: int = 9, hk: int = 3, 
     q, k, v = (torch.randn(t, n * d).to(torch.bfloat16) for n in (h, hk, hk))
     providers = [("cpu_sdpa", CpuAttention)]
     if kernels.supported(cpu_platform())[0]:
-        providers.append(("cpp_flash" if kernels.flash_prefill() else "cpp_sdpa", CppAttention))
+        providers.append(("cpp_flash" if kernels.brgemm_bf16() else "cpp_sdpa", CppAttention))
     out = {}
     for name, cls in providers:
         backend = cls([layer], bs, torch.bfloat16, torch.device("cpu"))

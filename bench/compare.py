@@ -32,7 +32,22 @@ def run_engine(python: str, engine: str, dtype: str, mode: str, concurrency: int
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    raise RuntimeError(f"{engine} {dtype} {mode} failed:\n{proc.stderr[-3000:]}")
+    status = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+    raise EngineFailed(f"{engine} {dtype} {mode} failed ({status}):\n{proc.stderr[-3000:]}")
+
+
+class EngineFailed(RuntimeError):
+    """One engine run gave no result. A peer that crashes in one mode (llama.cpp's batched path died of SIGILL on
+    an AMX Xeon VM) is reported as failed there; the other modes and engines still run."""
+
+
+def median_of(runs: list[dict], field: str) -> float | None:
+    values = [r[field] for r in runs if "failed" not in r]
+    return statistics.median(values) if values else None
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None else f"{a / b:.2f}x"
 
 
 def agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -91,39 +106,51 @@ def main() -> None:
     raw: dict[str, dict[str, list]] = {}
     jobs = [(rep, e, mode) for rep in range(args.reps) for e in engines for mode in ("batch", "single")]
     for rep, (engine, dtype, python), mode in tqdm(jobs, desc="runs"):
-        r = run_engine(python, engine, dtype, mode, n, prompts_file.name, model_dir, gguf, args.output_len)
+        try:
+            r = run_engine(python, engine, dtype, mode, n, prompts_file.name, model_dir, gguf, args.output_len)
+        except EngineFailed as e:
+            tqdm.write(str(e))
+            r = {"failed": str(e).splitlines()[0]}
         raw.setdefault(f"{engine}/{dtype}", {}).setdefault(mode, []).append(r)
 
     table = {}
     for key, modes in raw.items():
-        table[key] = {"output_tok_s": statistics.median(r["output_tok_s"] for r in modes["batch"]),
-                      "decode_tok_s": statistics.median(r["decode_tok_s"] for r in modes["single"]),
-                      "tokens": modes["batch"][0]["tokens"],
+        done = [r for r in modes["batch"] + modes["single"] if "failed" not in r]
+        table[key] = {"output_tok_s": median_of(modes["batch"], "output_tok_s"),
+                      "decode_tok_s": median_of(modes["single"], "decode_tok_s"),
+                      "tokens": next((r["tokens"] for r in modes["batch"] if "failed" not in r), None),
                       # how the engine was configured (vLLM: thread binding, KV space), so a table says it
-                      "threads": modes["batch"][0].get("threads"), "config": modes["batch"][0].get("peer_config")}
+                      "threads": done[0].get("threads") if done else None,
+                      "config": done[0].get("peer_config") if done else None,
+                      "failed": sorted({r["failed"] for r in modes["batch"] + modes["single"] if "failed" in r})}
     ours = table.get("resin/bfloat16") or next(iter(table.values()))
     checks = {}
-    if "resin/float32" in table and "hf/float32" in table:
+    if table.get("resin/float32", {}).get("tokens") and table.get("hf/float32", {}).get("tokens"):
         sample = range(min(8, n))
         same = sum(table["resin/float32"]["tokens"][i] == table["hf/float32"]["tokens"][i] for i in sample)
         checks["fp32 greedy identical to HF fp32"] = f"{same}/{len(sample)} prompts"
     for peer in ("hf/bfloat16", "vllm/bfloat16"):
-        if peer in table:
+        if peer in table and ours["tokens"] and table[peer]["tokens"]:
             checks[f"bf16 agreement with {peer}"] = f"{agreement(ours['tokens'], table[peer]['tokens']):.0%}"
-    if "hf/bfloat16" in table and "hf/float32" in table:
+    if table.get("hf/bfloat16", {}).get("tokens") and table.get("hf/float32", {}).get("tokens"):
         checks["HF bf16 agreement with HF fp32 (rounding drift)"] = \
             f"{agreement(table['hf/bfloat16']['tokens'], table['hf/float32']['tokens']):.0%}"
 
     print(f"\n{n} prompts x {args.output_len} tokens, median of {args.reps} interleaved runs")
     print(f"{'engine':<18}{'tok/s @' + str(n):>12}{'b1 decode':>12}{'resin bf16 / it':>18}{'':>12}")
+    def cell(x: float | None) -> str:
+        return "failed" if x is None else f"{x:.1f}"
+
     for key, row in table.items():
-        print(f"{key:<18}{row['output_tok_s']:>12.1f}{row['decode_tok_s']:>12.1f}"
-              f"{ours['output_tok_s'] / row['output_tok_s']:>12.2f}x{ours['decode_tok_s'] / row['decode_tok_s']:>10.2f}x")
+        print(f"{key:<18}{cell(row['output_tok_s']):>12}{cell(row['decode_tok_s']):>12}"
+              f"{ratio(ours['output_tok_s'], row['output_tok_s']):>13}{ratio(ours['decode_tok_s'], row['decode_tok_s']):>11}")
+        for why in row["failed"]:
+            print(f"    {why}")
     for packed, peer in (("resin-gguf/bfloat16", "llamacpp/q4_1"), ("resin-gguf/bfloat16", "resin/bfloat16")):
         if packed in table and peer in table:
             checks[f"{packed} / {peer}"] = (
-                f"b1 decode {table[packed]['decode_tok_s'] / table[peer]['decode_tok_s']:.2f}x, "
-                f"{n} concurrent {table[packed]['output_tok_s'] / table[peer]['output_tok_s']:.2f}x")
+                f"b1 decode {ratio(table[packed]['decode_tok_s'], table[peer]['decode_tok_s'])}, "
+                f"{n} concurrent {ratio(table[packed]['output_tok_s'], table[peer]['output_tok_s'])}")
     for k, v in checks.items():
         print(f"  {k}: {v}")
 
@@ -131,7 +158,11 @@ def main() -> None:
     levels = [int(c) for c in args.sweep.split(",") if c]
     for c in tqdm(levels, desc="sweep"):
         for engine, dtype, python in engines:
-            r = run_engine(python, engine, dtype, "batch", c, prompts_file.name, model_dir, gguf, args.output_len)
+            try:
+                r = run_engine(python, engine, dtype, "batch", c, prompts_file.name, model_dir, gguf, args.output_len)
+            except EngineFailed as e:
+                tqdm.write(str(e))
+                continue
             sweep.setdefault(f"{engine}/{dtype}", []).append(
                 {"concurrency": c, "total_tok_s": r["output_tok_s"], "per_user_tok_s": r["per_user_tok_s"]})
     out = Path(args.out)

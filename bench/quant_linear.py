@@ -38,7 +38,8 @@ def main() -> None:
         raise SystemExit(f"Resin's CPU kernels are not built here: {kernels.load()[1]}")
     dtype = getattr(torch, args.dtype)
     types = args.types.split(",") if args.types else list(SHAPES)
-    print(f"{'type':<6}{'N x K':>12}{'rows':>6}{'row kernel':>12}{'panel GEMM':>11}{'tiled GEMM':>12}{'picked GB/s':>13}")
+    print(f"{'type':<6}{'N x K':>12}{'rows':>6}{'row kernel':>12}{'panel GEMM':>11}{'AMX panels':>11}"
+          f"{'tiled GEMM':>12}{'picked GB/s':>13}")
     for qtype in types:
         for n, k in SHAPES.get(qtype, [(1536, 512)]):
             w = random_packed(qtype, n, k)
@@ -47,9 +48,11 @@ def main() -> None:
                 exact = timed(lambda: ext.quant_matmul(x, w, qtype, None, None), args.reps)
                 rows = (timed(lambda: ext.quant_matmul_bf16(x, w, qtype, None, None), args.reps)
                         if dtype == torch.bfloat16 else float("nan"))
+                amx = (timed(lambda: ext.quant_matmul_bf16(x, w, qtype, None, None, amx=True), args.reps)
+                       if dtype == torch.bfloat16 and kernels.amx_gemm() else float("nan"))
                 tiled = timed(lambda: quant._tiled_gemm(x, w, qtype, None, None), args.reps)
                 picked = timed(lambda: quant.quant_linear(x, w, qtype), args.reps)
-                print(f"{qtype:<6}{f'{n}x{k}':>12}{m:>6}{exact:>12.3f}{rows:>11.3f}{tiled:>12.3f}"
+                print(f"{qtype:<6}{f'{n}x{k}':>12}{m:>6}{exact:>12.3f}{rows:>11.3f}{amx:>11.3f}{tiled:>12.3f}"
                       f"{w.numel() / picked / 1e6:>13.1f}")
 
 

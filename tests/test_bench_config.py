@@ -72,3 +72,20 @@ def test_serve_sweep_measures_each_point_on_its_own_prompts(tmp_path):
                                                                                        ("resin", 2, 2)]
     assert all(r["output_throughput"] > 0 and r["median_ttft_ms"] > 0 for r in result["rows"])
     assert len(result["rows"]) == 4 and len({r["seed"] for r in result["rows"]}) == 4
+
+
+def test_a_peer_that_crashes_is_reported_not_fatal(tmp_path):
+    """A peer run that dies (llama.cpp's batched path took SIGILL on an AMX VM) raises EngineFailed naming the
+    signal, and the medians skip failed runs (compare.py records the failure and goes on)."""
+    import signal
+
+    from compare import EngineFailed, median_of, ratio, run_engine
+
+    crasher = tmp_path / "python"
+    crasher.write_text("#!/bin/sh\nkill -ILL $$\n")
+    crasher.chmod(0o755)
+    with pytest.raises(EngineFailed, match=f"killed by signal {int(signal.SIGILL)}"):
+        run_engine(str(crasher), "llamacpp", "q4_1", "batch", 4, "p.json", "m", "g.gguf", 8)
+    runs = [{"decode_tok_s": 10.0}, {"failed": "x"}, {"decode_tok_s": 30.0}]
+    assert median_of(runs, "decode_tok_s") == 20.0 and median_of([{"failed": "x"}], "decode_tok_s") is None
+    assert ratio(3.0, 2.0) == "1.50x" and ratio(None, 2.0) == "n/a"

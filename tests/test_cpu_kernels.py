@@ -141,8 +141,8 @@ def test_cpp_decode_split_across_threads_matches_native(shapes, window, h, hk, d
     assert ((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-6).all()
 
 
-def _require_flash_prefill() -> None:
-    if not kernels.flash_prefill():
+def _require_brgemm_bf16() -> None:
+    if not kernels.brgemm_bf16():
         pytest.skip("requires a CPU where torch's brgemm ukernels pack bf16 (AMX tiles); prefill stays on SDPA here")
 
 
@@ -155,7 +155,7 @@ def test_flash_prefill_matches_exact_attention(seq_len, q_len, h, hk, d):
     is 2^-8 of the weighted mean of |V| plus one bf16 step of the output; a mis-masked key or a wrong tile moves
     outputs by far more. Fresh prompts, chunks after cached context (700 after 1400: tiles of 256 keys cut at the
     diagonal), one query, a tile-sized prompt; 1, 3 and 4 query heads per KV head."""
-    _require_flash_prefill()
+    _require_brgemm_bf16()
     bs, g = 16, torch.Generator().manual_seed(torch.seed() % 2**31)
     nblk = -(-seq_len // bs)
     cache = torch.randn(2, hk, nblk + 7, bs, d, generator=g).to(torch.bfloat16)
@@ -178,7 +178,7 @@ def test_cpp_attention_prefill_on_the_flash_kernel(monkeypatch, shapes):
     beside decode rows), and agrees with native to test_cpp_attention_matches_native's bf16 tolerance."""
     import resin.backends.cpu.attention as attention
 
-    _require_flash_prefill()
+    _require_brgemm_bf16()
     real, chunks = kernels.extension(), []
 
     class Recording:

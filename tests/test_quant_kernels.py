@@ -58,7 +58,8 @@ def _bound(x: torch.Tensor, w: torch.Tensor, ref: torch.Tensor, exact_products: 
     return output_rounding + 2.0 ** -8 * magnitude
 
 
-def _check(x, qweight, qtype, scales=None, bias=None, path=quant.quant_linear):
+def _check(x, qweight, qtype, scales=None, bias=None, path=quant.quant_linear, exact_products=None):
+    """exact_products: whether `path` multiplies by unrounded weights (None: as quant_linear routes these rows)."""
     ref = hal.QUANT_LINEAR.native(x, qweight, qtype, scales, bias)
     got = path(x, qweight, qtype, scales, bias)
     assert got.dtype == x.dtype and got.shape == ref.shape
@@ -66,6 +67,8 @@ def _check(x, qweight, qtype, scales=None, bias=None, path=quant.quant_linear):
     err = (got.double() - ref.double()).abs()
     rows = x.reshape(-1, x.shape[-1]).shape[0]
     fused = x.dtype == torch.bfloat16 and rows < quant.FUSED_MAX_ROWS and qtype in quant.FUSED_BF16
+    if exact_products is not None:
+        fused = exact_products
     bound = _bound(x, w, ref, fused) + (0 if bias is None else 2.0 ** -8 * bias.double().abs())
     worst = (err / bound).max().item()
     assert worst <= 1.0, f"{qtype} {tuple(x.shape)} {x.dtype}: error {worst:.2f}x the bound"
@@ -153,22 +156,45 @@ def test_gemm_path_in_tiles(monkeypatch, dtype):
     _check(x, qweight, INT8, torch.rand(37, generator=g) * 0.01, torch.randn(37, generator=g), path=quant._tiled_gemm)
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["panel-gemm", "amx-tiles"])
+@pytest.mark.parametrize("amx", [False, True], ids=["panel-gemm", "amx"])
+@pytest.mark.parametrize("rows", [40, 300])
 @pytest.mark.parametrize("qtype", ["q4_1", "q6_k", INT8])
-def test_bf16_gemm_paths_at_prefill_sizes(monkeypatch, qtype, amx):
-    """bf16 prefill on either path, whatever this CPU has: the panel GEMM (CPUs with AVX512-BF16 but no AMX: many
-    12-row passes, a partial last panel, 70 = 2 x 32 + 6 rows; tiles where the CPU lacks AVX512-BF16 too) and
-    tiles unpacked into torch's GEMM (where it reaches AMX)."""
+def test_bf16_gemm_paths_at_batch_and_prefill_sizes(monkeypatch, qtype, rows, amx):
+    """bf16 batches on every path, whatever this CPU has: the panel GEMM (CPUs with AVX512-BF16 but no AMX: many
+    12-row passes, a partial last panel, 70 = 2 x 32 + 6 rows; tiles where the CPU lacks AVX512-BF16 too) and, as
+    on a CPU with AMX, the panels on brgemm for a decode batch (40 rows; tiles where cpublas cannot pack bf16) and
+    tiles unpacked into torch's GEMM for a prefill (300)."""
     from resin.backends.cpu import kernels
 
     monkeypatch.setattr(kernels, "amx_gemm", lambda: amx)
     g = _seeded()
-    x = torch.randn(300, 768, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 768, generator=g).to(torch.bfloat16)
     if qtype == INT8:
         qweight = torch.randint(-127, 128, (70, 768), dtype=torch.int8, generator=g)
         _check(x, qweight, INT8, torch.rand(70, generator=g) * 0.01, torch.randn(70, generator=g))
     else:
         _check(x, random_packed(qtype, 70, 768, g), qtype, bias=torch.randn(70, generator=g))
+
+
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q8_0", "q4_k", "q6_k", INT8])
+@pytest.mark.parametrize("rows", [1, 13, 128, 300])
+def test_amx_panels_match_native(qtype, rows):
+    """The quantised panels multiplied on AMX tiles through torch's brgemm (as quant_linear runs 8-128 rows on an
+    AMX CPU), called directly: weights rounded to bf16 once, fp32 sums, one rounding with the bias; 70 weight rows
+    (a partial last panel) and 300 activation rows (two brgemm calls of 256 + 44)."""
+    from resin.backends.cpu import kernels
+
+    if not kernels.brgemm_bf16():
+        pytest.skip("requires a CPU where torch's brgemm ukernels pack bf16 (AMX tiles)")
+    g = _seeded()
+    x = torch.randn(rows, 768, generator=g).to(torch.bfloat16)
+    if qtype == INT8:
+        qweight, scales = torch.randint(-127, 128, (70, 768), dtype=torch.int8, generator=g), torch.rand(70) * 0.01
+    else:
+        qweight, scales = random_packed(qtype, 70, 768, g), None
+    bias = torch.randn(70, generator=g)
+    amx = lambda *a: kernels.extension().quant_matmul_bf16(*a, amx=True)  # noqa: E731
+    _check(x, qweight, qtype, scales, bias, path=amx, exact_products=False)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from resin.backends.cpu.kernels import extension, flash_prefill
+from resin.backends.cpu.kernels import brgemm_bf16, extension
 from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata
 
 
@@ -218,7 +218,7 @@ class CppAttention(CpuAttention):
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer, p: _Prefill) -> torch.Tensor:
         if (q.dtype != torch.bfloat16 or layer.sliding_window is not None or layer.head_size % 64
-                or not flash_prefill()):
+                or not brgemm_bf16()):
             return super()._prefill(q, kv_cache, layer, p)
         out = extension().flash_prefill_attention(q.reshape(p.q_len, -1), kv_cache, p.blocks, p.seq_len,
                                                   layer.num_heads, layer.scale)

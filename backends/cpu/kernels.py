@@ -256,9 +256,10 @@ def amx_gemm() -> bool:
 
 
 @cache
-def flash_prefill() -> bool:
-    """Whether the brgemm prefill attention kernel runs here: torch's small-GEMM ukernels pack bf16 only where
-    oneDNN has AMX tiles; elsewhere prefill stays on SDPA."""
+def brgemm_bf16() -> bool:
+    """Whether torch's brgemm ukernel multiplies bf16 on AMX tiles here (cpublas packs bf16 only where oneDNN has
+    them): the prefill attention kernel and the quantised AMX panels need it; elsewhere SDPA and the other GEMM
+    paths serve."""
     return extension().flash_prefill_available()
 
 

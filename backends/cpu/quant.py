@@ -1,13 +1,15 @@
 """The cpu provider of quant_linear: Resin's C++ kernels over weights kept quantised (csrc/quant_kernels.cpp).
 
 Few activation rows (decode): the products are native's exactly (bf16 activations times each block's quants, or
-fp32 activations times the unpacked fp32 weights), summed in fp32 in another order; a step reads the packed
-bytes, not bf16 weights. More bf16 rows (batched decode and prefill): on a CPU with AMX, tiles of weights unpacked
-into bf16 and torch's GEMM (oneDNN's tile kernels: 11x the panel GEMM below at 2048 rows); with AVX512-BF16 alone,
+fp32 activations times the unpacked fp32 weights), summed in fp32 in another order; a step reads the packed bytes,
+not bf16 weights. More bf16 rows (batched decode and prefill): on a CPU with AMX, the panels below multiplied by
+torch's brgemm ukernel on AMX tiles for batched decode, and tiles of weights unpacked into bf16 and torch's GEMM
+for prefill-sized batches (oneDNN's tile kernels: 11x the vdpbf16ps panels at 2048 rows); with AVX512-BF16 alone,
 panels of 32 weight rows unpacked into bf16 and multiplied by a register-blocked GEMM (vdpbf16ps), which beats
 unpacked tiles there at every batch size measured (8 to 2048 rows). Without AVX512-BF16, and in fp32, many rows go
-to the unpacked tiles too, whose cost per weight is then shared by enough rows that unpacking is noise. Unpacking into bf16 rounds each weight to bf16 once (as a bf16 checkpoint is), which the bf16 tolerance
-covers; in fp32 the paths are exact up to summation order.
+to the unpacked tiles too, whose cost per weight is then shared by enough rows that unpacking is noise. Unpacking
+into bf16 rounds each weight to bf16 once (as a bf16 checkpoint is), which the bf16 tolerance covers; in fp32 the
+paths are exact up to summation order.
 """
 from __future__ import annotations
 
@@ -18,13 +20,16 @@ from resin.backends.cpu import kernels
 from resin.hal.quant import QTYPES
 
 # Thresholds measured with `python bench/quant_linear.py`, bf16 activations, on a 2-core AVX512-BF16 machine (AMD
-# EPYC) and a 2-core Xeon with AMX; where torch's GEMM reaches AMX tiles, tiles unpacked into it beat the panel GEMM
-# from 8 rows on (Q4_1 1536x576, 8 rows: 0.157 against 0.161 ms; 2048 rows: 1.5 against 17.8).
+# EPYC) and a 2-core Xeon with AMX. With AMX, from 8 rows the panels go through torch's brgemm ukernel on AMX tiles
+# up to AMX_PANEL_MAX_ROWS (Q4_1 1536x576 at 32 rows: 0.11 ms, against 0.30 for the vdpbf16ps panels and 0.15 for
+# unpacked tiles; the Q8_0 49152-row lm_head at 32 rows: 3.3 against 5.4 tiled), and past it tiles unpacked into
+# torch's GEMM (oneDNN's blocking for large M: 2048 rows 1.5 ms against 7.9 for the brgemm panels).
 # Types with a fused bf16 kernel multiply each block's quants exactly: fastest below FUSED_MAX_ROWS (Q4_1
 # 1536x576 at 1 row: 0.034 ms against 0.075 for the panel GEMM; Q4_K 1536x512: 0.037 against 0.106; at 8 rows
 # the two are even for Q4_1 and the GEMM wins for Q4_K, 0.124 against 0.177); other types take the GEMM.
 FUSED_BF16 = ("q4_0", "q4_1", "q8_0", "q4_k")
 FUSED_MAX_ROWS = 8
+AMX_PANEL_MAX_ROWS = 128
 # fp32: the exact row kernel below this many rows, the tiled GEMM from here.
 GEMM_MIN_ROWS = 16
 # Weights unpacked per GEMM call: a tile near L2's size (2 MiB a core here) while the GEMM reads it (unpacking a
@@ -54,8 +59,11 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: tor
     if x.dtype == torch.bfloat16:
         if m < FUSED_MAX_ROWS and qtype in FUSED_BF16:
             out = ext.quant_matmul(rows, qweight, qtype, scales, bias)
-        elif kernels.amx_gemm():  # AMX tiles: Q4_1 1536x576 at 32 rows 0.21 ms tiled against 0.34, 2048: 1.5 / 17.8
-            out = _tiled_gemm(rows, qweight, qtype, scales, bias)
+        elif kernels.amx_gemm():
+            if m <= AMX_PANEL_MAX_ROWS:  # panels on AMX tiles, None where cpublas cannot pack bf16 (or K % 32)
+                out = ext.quant_matmul_bf16(rows, qweight, qtype, scales, bias, amx=True)
+            if out is None:
+                out = _tiled_gemm(rows, qweight, qtype, scales, bias)
         else:  # AVX512-BF16 alone: Q4_1 1536x576 at 32 rows 0.19 ms against 0.26 tiled; 2048 rows: 8.5 / 8.9
             out = ext.quant_matmul_bf16(rows, qweight, qtype, scales, bias)  # None without AVX512-BF16, or K % 32
     if out is None:

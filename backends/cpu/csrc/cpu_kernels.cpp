@@ -867,7 +867,8 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const st
 at::Tensor quant_dequantize(const at::Tensor& qweight, const std::string& qtype,
                             const c10::optional<at::Tensor>& scales, at::ScalarType dtype);
 at::Tensor quant_matmul_bf16(const at::Tensor& x, const at::Tensor& qweight, const std::string& qtype,
-                             const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias);
+                             const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                             bool amx);
 
 // prefill_attention.cpp: causal prefill attention of one sequence on torch's brgemm ukernels (AMX tiles).
 bool flash_prefill_available();
@@ -889,5 +890,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("random_sample", &random_sample, "one draw per row from softmax(logits) at a uniform (inverse CDF)");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(qweight).T * scales + bias, weights unpacked row by row");
   m.def("quant_dequantize", &quant_dequantize, "quantised rows -> (N, K) float32 or bfloat16");
-  m.def("quant_matmul_bf16", &quant_matmul_bf16, "bf16 x @ bf16-rounded unpacked weights, for batches of rows");
+  m.def("quant_matmul_bf16", &quant_matmul_bf16, "bf16 x @ bf16-rounded unpacked weights, for batches of rows",
+        py::arg("x"), py::arg("qweight"), py::arg("qtype"), py::arg("scales"), py::arg("bias"), py::arg("amx") = false);
 }

@@ -88,7 +88,7 @@ inline float softmax_row(float* s, int64_t n, int64_t visible, float scale, floa
 }
 }  // namespace
 
-bool flash_prefill_available() { return at::native::cpublas::could_pack(at::kBFloat16); }
+bool flash_prefill_available() { return at::native::cpublas::could_pack(at::kBFloat16); }  // AMX
 
 // q (q_len, H*D): one sequence's chunk of queries, the tail of its seq_len tokens, whose keys and values are
 // already in the head-major paged cache (2, Hk, blocks, block_size, D) at the blocks `block_table` lists (int32).

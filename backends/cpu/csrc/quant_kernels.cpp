@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -644,6 +645,36 @@ void bf16_rows_kernel(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w,
     }
   });
 }
+
+// The same panels multiplied on AMX tiles: a panel is already in the layout torch's brgemm ukernel takes for a
+// bf16 B matrix (pairs of K interleaved per output, [K/2][kPanel][2]), so each is one brgemm call per block of
+// activation rows, fp32 sums rounded to bf16 once with the bias. Only where cpublas packs bf16 (AMX).
+constexpr int64_t kAmxRows = 256;  // activation rows per brgemm call
+
+template <typename F>
+void amx_rows_kernel(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n,
+                     const float* scales, const float* bias, c10::BFloat16* out) {
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t q0, int64_t q1) {
+    std::vector<float> f(k), c(std::min(m, kAmxRows) * kPanel);
+    std::vector<uint16_t> rows(kPanel * k);
+    std::vector<uint32_t> panel(kPanel * k / 2);
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t r0 = q * kPanel;
+      pack_panel<F>(w, row_bytes, n, r0, k, scales, f.data(), rows.data(), panel.data());
+      const int64_t valid = std::min<int64_t>(kPanel, n - r0);
+      for (int64_t i = 0; i < m; i += kAmxRows) {
+        const int64_t mr = std::min(kAmxRows, m - i);
+        at::native::cpublas::brgemm(mr, kPanel, k, k, kPanel, kPanel, false,
+                                    reinterpret_cast<const at::BFloat16*>(x + i * k),
+                                    reinterpret_cast<const at::BFloat16*>(panel.data()), c.data());
+        for (int64_t t = 0; t < mr; ++t)
+          for (int64_t j = 0; j < valid; ++j)
+            out[(i + t) * n + r0 + j] = c10::BFloat16(c[t * kPanel + j] + (bias ? bias[r0 + j] : 0.f));
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
 #endif
 
 }  // namespace
@@ -694,13 +725,16 @@ at::Tensor quant_dequantize(const at::Tensor& qweight, const std::string& qtype,
 
 // out (M, N) bf16 = x (M, K) bf16 @ bf16(dequantize(qweight) * scales).T + bias, for batches of rows; returns an
 // undefined tensor where the CPU lacks AVX512-BF16 or K is not a multiple of 32 (the caller then uses the GEMM).
+// amx: multiply the panels on AMX tiles through torch's brgemm (undefined where cpublas cannot pack bf16).
 at::Tensor quant_matmul_bf16(const at::Tensor& x, const at::Tensor& qweight, const std::string& qtype,
-                             const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias) {
+                             const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
+                             bool amx) {
   TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && qweight.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "x (M, K) bfloat16, qweight (N, row bytes)");
   const int64_t m = x.size(0), n = qweight.size(0), k = in_features(qweight, qtype);
   TORCH_CHECK(x.size(1) == k, "x has ", x.size(1), " features, the weight ", k);
 #if defined(__AVX512BF16__)
+  if (amx && !at::native::cpublas::could_pack(at::kBFloat16)) return at::Tensor();
   if (k % 32 == 0) {
     const at::Tensor xc = x.contiguous();
     at::Tensor out = at::empty({m, n}, x.options());
@@ -708,9 +742,10 @@ at::Tensor quant_matmul_bf16(const at::Tensor& x, const at::Tensor& qweight, con
     const float* b = optional_floats(bias, n, "bias");
     dispatch_format(qtype, [&](auto f) {
       using F = decltype(f);
-      bf16_rows_kernel<F>(reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), m, k,
-                          static_cast<const uint8_t*>(qweight.const_data_ptr()), qweight.size(1), n, s, b,
-                          out.data_ptr<c10::BFloat16>());
+      (amx ? amx_rows_kernel<F> : bf16_rows_kernel<F>)(
+          reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), m, k,
+          static_cast<const uint8_t*>(qweight.const_data_ptr()), qweight.size(1), n, s, b,
+          out.data_ptr<c10::BFloat16>());
     });
     return out;
   }
