@@ -89,3 +89,21 @@ def test_a_peer_that_crashes_is_reported_not_fatal(tmp_path):
     runs = [{"decode_tok_s": 10.0}, {"failed": "x"}, {"decode_tok_s": 30.0}]
     assert median_of(runs, "decode_tok_s") == 20.0 and median_of([{"failed": "x"}], "decode_tok_s") is None
     assert ratio(3.0, 2.0) == "1.50x" and ratio(None, 2.0) == "n/a"
+
+
+def test_step_profile_splits_decode_and_prefill_by_op(text_model):
+    """step_profile's measurements are real and leave the engine as it was: decode steps and a prefill, each with
+    every op's time; the provider chains and the attention backend's methods are restored afterwards."""
+    from step_profile import profile, profile_prefill
+
+    from resin import LLM
+    from resin.hal import registry
+
+    llm = LLM(str(text_model[0]), dtype="float32", kv_cache_memory="8MiB")
+    chains, attn = registry.active_chains(), llm.engine.runner.attn
+    row = profile(llm, 2, 3, per_op=True, prompt_len=12)
+    assert row["step_ms"] > 0 and "attention (per layer)" in row["ops"] and "linear" in row["ops"]
+    pre = profile_prefill(llm, 3, 20, reps=1)
+    assert pre["prefill_tok_s"] > 0 and pre["ops"]["attention (per layer)"]["calls_per_step"] > 0
+    assert registry.active_chains() == chains and "forward" not in vars(attn) and "plan" not in vars(attn)
+    assert not llm.engine.has_unfinished_requests()
