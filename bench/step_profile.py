@@ -106,8 +106,9 @@ def profile_prefill(llm: LLM, prompts: int, prompt_len: int, reps: int = 2) -> d
 
     def run(tag: str) -> float:
         for i in range(prompts):
-            engine.add_request(f"{tag}{i}", torch.randint(min(100, engine.vocab_size // 2), min(40000, engine.vocab_size),
-                                                          (prompt_len,), generator=g).tolist(),
+            ids = torch.randint(min(100, engine.vocab_size // 2), min(40000, engine.vocab_size), (prompt_len,),
+                                generator=g)
+            engine.add_request(f"{tag}{i}", ids.tolist(),
                                SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         start = time.perf_counter()
         while engine.has_unfinished_requests():
