@@ -81,11 +81,16 @@ def paged_decode_paths(b: int, length: int, h: int = 9, hk: int = 3, d: int = 64
     providers = [("cpu_gather_matmuls", CpuAttention)]
     if kernels.supported(cpu_platform())[0]:
         providers.append(("cpp_in_place", CppAttention))
+    return time_providers(providers, layer, bs, meta, (q, k, v, cache), 100)
+
+
+def time_providers(providers: list, layer, bs: int, meta, inputs: tuple, reps: int) -> dict[str, float]:
+    """ms per forward of one layer for each (name, attention provider class), planned once on meta."""
     out = {}
     for name, cls in providers:
         backend = cls([layer], bs, torch.bfloat16, torch.device("cpu"))
         backend.plan(meta)
-        out[name] = bench(lambda: backend.forward(0, q, k, v, cache), 100)
+        out[name] = bench(lambda: backend.forward(0, *inputs), reps)
     return out
 
 
@@ -125,12 +130,7 @@ def paged_prefill_paths(shapes: list[tuple[int, int]], h: int = 9, hk: int = 3, 
     providers = [("cpu_sdpa", CpuAttention)]
     if kernels.supported(cpu_platform())[0]:
         providers.append(("cpp_flash" if kernels.brgemm_bf16() else "cpp_sdpa", CppAttention))
-    out = {}
-    for name, cls in providers:
-        backend = cls([layer], bs, torch.bfloat16, torch.device("cpu"))
-        backend.plan(meta)
-        out[name] = bench(lambda: backend.forward(0, q, k, v, cache), 5)
-    return out
+    return time_providers(providers, layer, bs, meta, (q, k, v, cache), 5)
 
 
 def mla_paths(shapes: list[tuple[int, int]], bs: int = 16) -> dict[str, float]:
