@@ -24,7 +24,7 @@ def builtin():
 
 def test_capital_of_france(builtin):
     llm = LLM(kv_cache_memory="256MiB")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"

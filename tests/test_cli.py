@@ -100,7 +100,7 @@ def test_generate_streams_incrementally():
 
 def test_chat_keeps_the_conversation():
     proc = run("-q", "chat", "--kv-cache-memory", "128MiB", "--max-tokens", "40",
-               input="What is the capital of France?\nAnd what language do they speak there?\n/exit\n")
+               input="What is the capital of France? Answer in one word.\nAnd what language do they speak there?\n/exit\n")
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert "Paris" in lines[0]

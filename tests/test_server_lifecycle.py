@@ -122,7 +122,7 @@ def test_sigterm_ends_in_flight_requests_cleanly_and_exits_0(long_model):
 @pytest.mark.parametrize("stream", [False, True])
 def test_builtin_model_answers_paris(stream, builtin_server):
     client = builtin_server.client()
-    kw = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+    kw = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France? Answer in one word."}],
               temperature=0, max_tokens=32)
     if stream:
         text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
