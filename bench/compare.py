@@ -1,12 +1,13 @@
 """Resin beside its peers on the same prompts, model and dtype, each engine in its own subprocess.
 
-    python bench/compare.py                                  # Resin and HF transformers, bf16 and fp32
+    python bench/compare.py                                  # Resin and HF transformers, the machine's dtype and fp32
     python bench/compare.py --vllm-python /path/venv/bin/python --llamacpp-python /path/venv/bin/python
 
 Workload: the built-in model (SmolLM2-135M-Instruct), 32 prompts of 22-200 tokens (seeded), 64 greedy output
 tokens each (ignore_eos). Measures output tokens/s with all 32 submitted at once and batch-1 decode tokens/s;
 repetitions are interleaved across engines and medians reported, with Resin/peer ratios. Checks that Resin's
-fp32 greedy tokens equal HF fp32's and reports bf16 token agreement. A concurrency sweep (--sweep) draws the
+fp32 greedy tokens equal HF fp32's and reports token agreement in the compared dtype: the one Resin's auto picks
+here (bf16 where the CPU multiplies it natively, else fp32; --dtype to choose). A concurrency sweep (--sweep) draws the
 throughput-interactivity plot (tokens/s per user vs total tokens/s). Results: bench/results/compare.json + .png.
 """
 from __future__ import annotations
@@ -59,6 +60,39 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return statistics.fmean(fracs)
 
 
+ENGINE_NAMES = ("resin", "resin-gguf", "resin-tp2", "hf", "vllm", "llamacpp")
+
+
+def machine_dtype() -> str:
+    """The dtype Resin's auto picks on this CPU: bf16 where it multiplies bf16 natively (AVX512-BF16, AMX)."""
+    from resin.hal.platform import cpu_platform
+
+    return "bfloat16" if cpu_platform().has_native_bf16_matmul() else "float32"
+
+
+def cpu_name() -> str:
+    from resin.hal.platform import cpu_platform
+
+    platform = cpu_platform()
+    return f"{platform.device_name} ({platform.arch}, {platform.compute_units} cores)"
+
+
+def asked_engines(asked: str, configured: list[tuple[str, str, str]], me: str) -> list[tuple[str, str, str]]:
+    """--engines: each key must name a known engine and a dtype; a peer needs its venv (--vllm-python ...)."""
+    pythons = {name: python for name, _, python in configured}
+    chosen = []
+    for key in asked.split(","):
+        name, _, dtype = key.partition("/")
+        if name not in ENGINE_NAMES or dtype not in (("q4_1",) if name == "llamacpp" else ("bfloat16", "float32")):
+            raise SystemExit(f"--engines: {key!r} is not an engine/dtype key; engines: {', '.join(ENGINE_NAMES)}; "
+                             "dtypes: bfloat16, float32 (llamacpp: q4_1)")
+        python = me if name.startswith(("resin", "hf")) else pythons.get(name)
+        if python is None:
+            raise SystemExit(f"--engines: {key} needs --{name}-python (bench/README.md)")
+        chosen.append((name, dtype, python))
+    return chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions per measurement (median)")
@@ -69,7 +103,9 @@ def main() -> None:
     ap.add_argument("--sweep", default="1,4,8,16,32", help="concurrency levels for the plot ('' to skip)")
     ap.add_argument("--engines", default=None,
                     help="only these engine/dtype keys, comma-separated (e.g. resin-gguf/bfloat16,llamacpp/q4_1; "
-                         "resin-tp2/bfloat16 adds Resin split over 2 ranks)")
+                         "resin-tp2/<dtype> adds Resin split over 2 ranks)")
+    ap.add_argument("--dtype", default=None, help="the activation dtype of Resin, HF and vLLM (default: what Resin's "
+                    "auto picks here: bfloat16 where the CPU multiplies it natively, else float32)")
     ap.add_argument("--out", default=str(HERE / "results" / "compare.json"))
     args = ap.parse_args()
 
@@ -86,20 +122,16 @@ def main() -> None:
     prompts_file.close()
 
     me = sys.executable
-    engines = [("resin", "bfloat16", me), ("resin-gguf", "bfloat16", me), ("resin", "float32", me),
-               ("hf", "bfloat16", me), ("hf", "float32", me)]
+    dtype = args.dtype or machine_dtype()
+    engines = [("resin", dtype, me), ("resin-gguf", dtype, me), ("resin", "float32", me), ("hf", dtype, me),
+               ("hf", "float32", me)]
     if args.vllm_python:
-        engines.append(("vllm", "bfloat16", args.vllm_python))
+        engines.append(("vllm", dtype, args.vllm_python))
     if args.llamacpp_python:
         engines.append(("llamacpp", "q4_1", args.llamacpp_python))
-
-    if args.engines and "resin-tp2/bfloat16" in args.engines:  # tensor parallelism on this machine: asked only
-        engines.append(("resin-tp2", "bfloat16", me))
+    engines = list(dict.fromkeys(engines))  # fp32 machines: resin/float32 once
     if args.engines:
-        keep = set(args.engines.split(","))
-        engines = [e for e in engines if f"{e[0]}/{e[1]}" in keep]
-        if not engines:
-            raise SystemExit(f"--engines {args.engines}: none of these is configured (a peer needs its --*-python)")
+        engines = asked_engines(args.engines, engines, me)
     from tqdm import tqdm
 
     n = args.num_prompts
@@ -123,21 +155,21 @@ def main() -> None:
                       "threads": done[0].get("threads") if done else None,
                       "config": done[0].get("peer_config") if done else None,
                       "failed": sorted({r["failed"] for r in modes["batch"] + modes["single"] if "failed" in r})}
-    ours = table.get("resin/bfloat16") or next(iter(table.values()))
+    ours = table.get(f"resin/{dtype}") or next(iter(table.values()))
     checks = {}
     if table.get("resin/float32", {}).get("tokens") and table.get("hf/float32", {}).get("tokens"):
         sample = range(min(8, n))
         same = sum(table["resin/float32"]["tokens"][i] == table["hf/float32"]["tokens"][i] for i in sample)
         checks["fp32 greedy identical to HF fp32"] = f"{same}/{len(sample)} prompts"
-    for peer in ("hf/bfloat16", "vllm/bfloat16"):
-        if peer in table and ours["tokens"] and table[peer]["tokens"]:
-            checks[f"bf16 agreement with {peer}"] = f"{agreement(ours['tokens'], table[peer]['tokens']):.0%}"
+    for peer in (f"hf/{dtype}", f"vllm/{dtype}"):
+        if peer in table and peer != "hf/float32" and ours["tokens"] and table[peer]["tokens"]:
+            checks[f"{dtype} agreement with {peer}"] = f"{agreement(ours['tokens'], table[peer]['tokens']):.0%}"
     if table.get("hf/bfloat16", {}).get("tokens") and table.get("hf/float32", {}).get("tokens"):
         checks["HF bf16 agreement with HF fp32 (rounding drift)"] = \
             f"{agreement(table['hf/bfloat16']['tokens'], table['hf/float32']['tokens']):.0%}"
 
     print(f"\n{n} prompts x {args.output_len} tokens, median of {args.reps} interleaved runs")
-    print(f"{'engine':<18}{'tok/s @' + str(n):>12}{'b1 decode':>12}{'resin bf16 / it':>18}{'':>12}")
+    print(f"{'engine':<18}{'tok/s @' + str(n):>12}{'b1 decode':>12}{f'resin {dtype} / it':>22}{'':>12}")
     def cell(x: float | None) -> str:
         return "failed" if x is None else f"{x:.1f}"
 
@@ -146,7 +178,7 @@ def main() -> None:
               f"{ratio(ours['output_tok_s'], row['output_tok_s']):>13}{ratio(ours['decode_tok_s'], row['decode_tok_s']):>11}")
         for why in row["failed"]:
             print(f"    {why}")
-    for packed, peer in (("resin-gguf/bfloat16", "llamacpp/q4_1"), ("resin-gguf/bfloat16", "resin/bfloat16")):
+    for packed, peer in ((f"resin-gguf/{dtype}", "llamacpp/q4_1"), (f"resin-gguf/{dtype}", f"resin/{dtype}")):
         if packed in table and peer in table:
             checks[f"{packed} / {peer}"] = (
                 f"b1 decode {ratio(table[packed]['decode_tok_s'], table[peer]['decode_tok_s'])}, "
@@ -169,7 +201,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     for row in table.values():
         row.pop("tokens")
-    out.write_text(json.dumps({"table": table, "checks": checks, "sweep": sweep, "reps": args.reps}, indent=2))
+    out.write_text(json.dumps({"table": table, "checks": checks, "sweep": sweep, "reps": args.reps, "dtype": dtype,
+                               "cpu": cpu_name()}, indent=2))
     print(f"wrote {out}")
     if sweep:
         plot(sweep, out.with_suffix(".png"))

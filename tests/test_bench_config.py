@@ -107,3 +107,16 @@ def test_step_profile_splits_decode_and_prefill_by_op(text_model):
     assert pre["prefill_tok_s"] > 0 and pre["ops"]["attention (per layer)"]["calls_per_step"] > 0
     assert registry.active_chains() == chains and "forward" not in vars(attn) and "plan" not in vars(attn)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_compare_rejects_an_unknown_engine_key():
+    """A mistyped --engines key stops the run with the choices named, instead of silently measuring fewer engines."""
+    from compare import asked_engines
+
+    configured = [("resin", "float32", "py"), ("llamacpp", "q4_1", "peer-py")]
+    assert asked_engines("resin-gguf/float32,llamacpp/q4_1", configured, "py") == [
+        ("resin-gguf", "float32", "py"), ("llamacpp", "q4_1", "peer-py")]
+    with pytest.raises(SystemExit, match="not an engine/dtype key"):
+        asked_engines("resin-gguf/fp16", configured, "py")
+    with pytest.raises(SystemExit, match="needs --vllm-python"):
+        asked_engines("vllm/float32", configured, "py")

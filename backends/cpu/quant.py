@@ -2,14 +2,17 @@
 
 Few activation rows (decode): the products are native's exactly (bf16 activations times each block's quants, or
 fp32 activations times the unpacked fp32 weights), summed in fp32 in another order; a step reads the packed bytes,
-not bf16 weights. More bf16 rows (batched decode and prefill): on a CPU with AMX, the panels below multiplied by
-torch's brgemm ukernel on AMX tiles for batched decode, and tiles of weights unpacked into bf16 and torch's GEMM
-for prefill-sized batches (oneDNN's tile kernels: 11x the vdpbf16ps panels at 2048 rows); with AVX512-BF16 alone,
-panels of 32 weight rows unpacked into bf16 and multiplied by a register-blocked GEMM (vdpbf16ps), which beats
-unpacked tiles there at every batch size measured (8 to 2048 rows). Without AVX512-BF16, and in fp32, many rows go
-to the unpacked tiles too, whose cost per weight is then shared by enough rows that unpacking is noise. Unpacking
-into bf16 rounds each weight to bf16 once (as a bf16 checkpoint is), which the bf16 tolerance covers; in fp32 the
-paths are exact up to summation order.
+not bf16 weights. Q4_0, Q4_1, Q8_0 and Q4_K have fused row kernels that never unpack a row: vdpbf16ps for bf16
+on AVX512-BF16, fma on quants as fp32 for fp32 anywhere with AVX2, and for bf16 where AVX512-BF16 is missing
+(csrc/quant_fma_rows.cpp). More bf16 rows (batched decode and prefill): on a CPU with AMX, the panels below
+multiplied by torch's brgemm ukernel on AMX tiles for batched decode, and tiles of weights unpacked into bf16 and
+torch's GEMM for prefill-sized batches (oneDNN's tile kernels: 11x the vdpbf16ps panels at 2048 rows); with
+AVX512-BF16 alone, panels of 32 weight rows unpacked into bf16 and multiplied by a register-blocked GEMM
+(vdpbf16ps), which beats unpacked tiles there at every batch size measured (8 to 2048 rows). Without AVX512-BF16,
+and in fp32, the row kernels serve up to GEMM_MIN_ROWS and tiles unpacked into torch's fp32 GEMM beyond (bf16 rows
+are multiplied in fp32 there and rounded once: torch's bf16 GEMM is a scalar loop on such CPUs). Unpacking into
+bf16 rounds each weight to bf16 once (as a bf16 checkpoint is), which the bf16 tolerance covers; in fp32 the paths
+are exact up to summation order.
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ from resin.hal.quant import QTYPES
 FUSED_BF16 = ("q4_0", "q4_1", "q8_0", "q4_k")
 FUSED_MAX_ROWS = 8
 AMX_PANEL_MAX_ROWS = 128
-# fp32: the exact row kernel below this many rows, the tiled GEMM from here.
-GEMM_MIN_ROWS = 16
+# fp32 (and bf16 without AVX512-BF16): the row kernel below this many rows, the tiled GEMM from here. With the
+# fma row kernels on a 2-core Zen 3 (AVX2, fp32): Q4_1 1536x576 at 48 rows 1.17 ms against 1.38 tiled, at 64 rows
+# 1.57 against 1.49; the Q8_0 lm_head at 48 rows 23.1 against 28.0, at 96 even.
+GEMM_MIN_ROWS = 64
 # Weights unpacked per GEMM call: a tile near L2's size (2 MiB a core here) while the GEMM reads it (unpacking a
 # whole 49152-row lm_head at once went through memory: 3.6x slower at 32 rows).
 TILE_BYTES = 1 << 21
@@ -75,14 +80,18 @@ def quant_linear(x: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: tor
 def _tiled_gemm(rows: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None,
                 bias: torch.Tensor | None) -> torch.Tensor:
     n, k = qweight.shape[0], rows.shape[1]
-    step = max(1, TILE_BYTES // (k * rows.element_size()))
+    # bf16 where the CPU multiplies it natively; elsewhere fp32, rounded once to bf16 at the end (exact products)
+    compute = rows.dtype if rows.dtype == torch.float32 or kernels.native_bf16() else torch.float32
+    xs = rows.to(compute)
+    step = max(1, TILE_BYTES // (k * xs.element_size()))
     tiles = []
     for start in range(0, n, step):
         part = slice(start, start + step)
         weight = kernels.extension().quant_dequantize(qweight[part], qtype, None if scales is None else scales[part],
-                                                      rows.dtype)
-        tiles.append(F.linear(rows, weight, None if bias is None else bias[part].to(rows.dtype)))
-    return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+                                                      compute)
+        tiles.append(F.linear(xs, weight, None if bias is None else bias[part].to(compute)))
+    out = tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=1)
+    return out.to(rows.dtype)
 
 
 def embedding_args(ids: torch.Tensor, qweight: torch.Tensor, qtype: str, scales: torch.Tensor | None,

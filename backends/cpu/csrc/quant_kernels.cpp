@@ -11,6 +11,8 @@
 // The decoders are plain loops over fixed-size blocks, written for -march=native auto-vectorisation.
 #include <torch/extension.h>
 
+#include "quant_blocks.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Half.h>
@@ -25,17 +27,8 @@
 
 namespace {
 
-// A block's fp16 scale. One F16C instruction where the CPU has it: c10's portable conversion is a dozen integer
-// operations, which at two scales per 32 weights was most of a Q4_1 block's cost.
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
-  return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
+using resin_quant::f16;
+using resin_quant::k_scales;
 
 #if defined(__AVX512F__)
 // 16 bytes -> 16 int32 lanes; the decoders below unpack 16 weights at a time with these.
@@ -100,16 +93,6 @@ struct Q4_1 {
     }
   }
 };
-
-// The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K super-block, packed into 12 bytes.
-inline void k_scales(const uint8_t* s, float d, float dmin, float* scale, float* mins) {
-  for (int j = 0; j < 4; ++j) {
-    scale[j] = d * static_cast<float>(s[j] & 63);
-    mins[j] = dmin * static_cast<float>(s[j + 4] & 63);
-    scale[j + 4] = d * static_cast<float>((s[j + 8] & 0xF) | ((s[j] >> 6) << 4));
-    mins[j + 4] = dmin * static_cast<float>((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-  }
-}
 
 struct Q4_K {
   static constexpr int kBlock = 256, kBytes = 144;
@@ -689,6 +672,7 @@ at::Tensor quant_matmul(const at::Tensor& x, const at::Tensor& qweight, const st
   const float* s = optional_floats(scales, n, "scales");
   const float* b = optional_floats(bias, n, "bias");
   if (try_fused(x, qweight, qtype, s, b, out)) return out;
+  if (s == nullptr && resin_quant::fma_rows_matmul(x, qweight, qtype, b, out)) return out;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   dispatch_format(qtype, [&](auto f) {
     using F = decltype(f);
