@@ -280,21 +280,39 @@ def gemv_max_rows() -> int:
     return GEMV_MAX_ROWS_AMX if amx_gemm() else GEMV_MAX_ROWS
 
 
+# fp32 rows up to which Resin's GEMV beats MKL (2-core Zen 3, the built-in model's fp32 weights: MKL's 4-row GEMM
+# read them at 5.5 GB/s, its GEMV at 13.6; bench/step_profile.py --dtype float32 --quantization none).
+FP32_GEMV_MAX_ROWS = 8
+
+
+@cache
+def _gemv_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes Resin's GEMVs cover on this CPU: bf16 with AVX512-BF16, fp32 with AVX2 + FMA."""
+    from resin.hal.platform import cpu_platform
+
+    flags = cpu_platform().cpu_flags
+    return frozenset(({torch.bfloat16} if "avx512_bf16" in flags else set()) |
+                     ({torch.float32} if {"avx2", "fma"} <= flags else set()))
+
+
 def gemv_supported(platform: Platform) -> tuple[bool, str]:
-    if "avx512_bf16" not in platform.cpu_flags:
-        return False, "Resin's bf16 GEMV needs AVX512-BF16"
+    if "avx512_bf16" not in platform.cpu_flags and not {"avx2", "fma"} <= platform.cpu_flags:
+        return False, "Resin's GEMVs need AVX512-BF16 (bf16) or AVX2 + FMA (fp32)"
     return supported(platform)
 
 
 def gemv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not x.is_cpu or weight.dim() != 2:
-        return "bf16 x and 2-D bf16 weight on the cpu only"
-    if x.dim() != 2 or not 1 <= x.shape[0] <= gemv_max_rows():
-        return f"1 to {gemv_max_rows()} rows of x (few-row decode; oneDNN's GEMM is faster beyond)"
-    if not weight.is_contiguous() or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous())):
-        return "contiguous weight, bias bf16"
+    if x.dtype != weight.dtype or x.dtype not in _gemv_dtypes() or not x.is_cpu or weight.dim() != 2:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in _gemv_dtypes()))
+        return f"x and a 2-D weight of one dtype this CPU's GEMV covers ({names or 'none'}) on the cpu"
+    most = gemv_max_rows() if x.dtype == torch.bfloat16 else FP32_GEMV_MAX_ROWS
+    if x.dim() != 2 or not 1 <= x.shape[0] <= most:
+        return f"1 to {most} rows of x (few-row decode; the GEMM is faster beyond)"
+    if not weight.is_contiguous() or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
+        return "contiguous weight, bias of x's dtype"
     return None
 
 
-def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return extension().bf16_gemv(x, weight, bias)
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    ext = extension()
+    return (ext.bf16_gemv if x.dtype == torch.bfloat16 else ext.fp32_gemv)(x, weight, bias)

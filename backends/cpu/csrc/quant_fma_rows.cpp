@@ -46,7 +46,12 @@ struct Q4_0Rows {
 struct Q4_1Rows {
   static constexpr int kBytes = 20, kUnits = 1;
   static constexpr bool kMin = true;
-  void head(const uint8_t* b, float* scale, float* mins) const { scale[0] = f16(b), mins[0] = f16(b + 2); }
+  void head(const uint8_t* b, float* scale, float* mins) const {
+    int32_t dm;  // (d, m): both fp16 scales by one conversion
+    std::memcpy(&dm, b, 4);
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+    scale[0] = _mm_cvtss_f32(v), mins[0] = _mm_cvtss_f32(_mm_movehdup_ps(v));
+  }
   void unit(const uint8_t* b, int, __m256* w) const { nibbles(b + 4, w); }
 };
 
@@ -94,8 +99,8 @@ void fma_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int
     const uint8_t* row = w + r * row_bytes;
     // Two sums per activation row, for even and odd groups, so consecutive groups' fmas do not wait on each other.
     __m256 acc[MR][2];
-    float macc[MR];
-    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps(), macc[i] = 0.f;
+    float macc[MR][2];
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps(), macc[i][0] = macc[i][1] = 0.f;
     auto run = [&](int64_t blk, int parity) {
       const uint8_t* b = row + blk * D::kBytes;
       float scale[D::kUnits], mins[D::kUnits];
@@ -114,7 +119,7 @@ void fma_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int
           t = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xi + 16), t);
           t = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xi + 24), t);
           acc[i][c] = _mm256_fmadd_ps(t, vd, acc[i][c]);
-          if constexpr (D::kMin) macc[i] += mins[u] * xs[i * groups + g];
+          if constexpr (D::kMin) macc[i][c] += mins[u] * xs[i * groups + g];
         }
       }
     };
@@ -123,7 +128,7 @@ void fma_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int
     if (blk < blocks) run(blk, 0);
     const float bb = bias ? bias[r] : 0.f;
     for (int i = 0; i < MR; ++i)
-      out[i * n + r] = static_cast<out_t>(hsum(_mm256_add_ps(acc[i][0], acc[i][1])) + macc[i] + bb);
+      out[i * n + r] = static_cast<out_t>(hsum(_mm256_add_ps(acc[i][0], acc[i][1])) + (macc[i][0] + macc[i][1]) + bb);
   }
 }
 
