@@ -33,7 +33,7 @@ log = logging.getLogger("resin")
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "quant_fma_rows.cpp",
                                      "prefill_attention.cpp")]
-HEADERS = [_CSRC / "quant_blocks.h"]  # part of the build key: a header's change rebuilds too
+HEADERS = [_CSRC / "quant_blocks.h", _CSRC / "simd.h"]  # part of the build key: a header's change rebuilds too
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED = "build-failed.txt"  # in the build folder: the first error of a failed build, so later starts skip it
 # -fno-trapping-math lets GCC vectorise floor and float selects (it changes no value, only FP exception flags);
@@ -285,18 +285,21 @@ def gemv_max_rows() -> int:
 FP32_GEMV_MAX_ROWS = 8
 
 
+def gemv_dtypes(cpu_flags: frozenset[str] | set[str]) -> frozenset[torch.dtype]:
+    """The dtypes Resin's GEMVs cover on a CPU with these flags: bf16 with AVX512-BF16, fp32 with AVX2 + FMA."""
+    return frozenset(({torch.bfloat16} if "avx512_bf16" in cpu_flags else set()) |
+                     ({torch.float32} if {"avx2", "fma"} <= cpu_flags else set()))
+
+
 @cache
 def _gemv_dtypes() -> frozenset[torch.dtype]:
-    """The dtypes Resin's GEMVs cover on this CPU: bf16 with AVX512-BF16, fp32 with AVX2 + FMA."""
     from resin.hal.platform import cpu_platform
 
-    flags = cpu_platform().cpu_flags
-    return frozenset(({torch.bfloat16} if "avx512_bf16" in flags else set()) |
-                     ({torch.float32} if {"avx2", "fma"} <= flags else set()))
+    return gemv_dtypes(cpu_platform().cpu_flags)
 
 
 def gemv_supported(platform: Platform) -> tuple[bool, str]:
-    if "avx512_bf16" not in platform.cpu_flags and not {"avx2", "fma"} <= platform.cpu_flags:
+    if not gemv_dtypes(platform.cpu_flags):
         return False, "Resin's GEMVs need AVX512-BF16 (bf16) or AVX2 + FMA (fp32)"
     return supported(platform)
 

@@ -18,9 +18,7 @@
 #include <limits>
 #include <tuple>
 #include <type_traits>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"  // immintrin.h
 #include <vector>
 
 namespace {
@@ -748,12 +746,6 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
 // row. MKL's sgemv read the built-in model's fp32 weights at ~13.6 GB/s on a 2-core Zen 3 whose memory gives ~28
 // (and its 4-row GEMM at 5.5), so a batch-1 fp32 step there was mostly waiting on a GEMV that left bandwidth unused.
 #if defined(__AVX2__) && defined(__FMA__)
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 template <int MR>
 void gemv_rows_f32(const float* x, int64_t k, const float* w, int64_t r0, int64_t r1, const float* bias, float* out,
                    int64_t n) {

@@ -9,6 +9,7 @@
 // (exact for bf16 activations, one rounding for fp32), summed in another order: fp32 reassociation, which
 // tests/test_quant_kernels.py bounds. Q4_0 is Q4_1 with min = -8 * scale.
 #include "quant_blocks.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 
@@ -84,12 +85,6 @@ struct Q4_KRows {
   }
 };
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // out[i * n + r] for weight rows [r0, r1) and MR activation rows (x: MR x k fp32; xs: their group sums).
 template <class D, int MR, typename out_t>
 void fma_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int64_t r1, const float* x, int64_t k,
@@ -128,7 +123,7 @@ void fma_rows(const D& dec, const uint8_t* w, int64_t row_bytes, int64_t r0, int
     if (blk < blocks) run(blk, 0);
     const float bb = bias ? bias[r] : 0.f;
     for (int i = 0; i < MR; ++i)
-      out[i * n + r] = static_cast<out_t>(hsum(_mm256_add_ps(acc[i][0], acc[i][1])) + (macc[i][0] + macc[i][1]) + bb);
+      out[i * n + r] = static_cast<out_t>(hsum8(_mm256_add_ps(acc[i][0], acc[i][1])) + (macc[i][0] + macc[i][1]) + bb);
   }
 }
 
@@ -141,7 +136,7 @@ void matmul(const float* x, int64_t m, int64_t k, const uint8_t* w, int64_t row_
     for (int64_t g = 0; g < m * groups; ++g) {
       __m256 s = _mm256_loadu_ps(x + g * 32);
       for (int j = 8; j < 32; j += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + g * 32 + j));
-      xs[g] = hsum(s);
+      xs[g] = hsum8(s);
     }
   const D dec;
   // ~64 KiB of weights per task: enough to amortise a task, enough tasks to balance the cores.
