@@ -122,23 +122,30 @@ def test_cpp_attention_matches_native(dtype, tol, shapes, window, h, hk, d, bloc
     assert head_major_vs_native(CppAttention, layer, shapes, dtype, block_size=block_size) <= tol
 
 
+# bf16 and fp16: both sides compute in fp32 and round once, so they may sit one step of the dtype apart (2^-7 or
+# 2^-10 of |ref|); fp32: both sum in fp32 in their own orders (the same bound as test_cpp_attention_matches_native)
+SPLIT_BOUNDS = {torch.bfloat16: (2.0 ** -7, 1e-6), torch.float16: (2.0 ** -10, 1e-6), torch.float32: (0.0, 2e-6)}
+
+
+@pytest.mark.parametrize("dtype", list(SPLIT_BOUNDS))
 @pytest.mark.parametrize("shapes", [[(2000, 1)], [(3000, 1), (1, 1)], [(130, 1), (3, 1)]])
 @pytest.mark.parametrize("window", [None, 600])
 @pytest.mark.parametrize("h,hk,d", [(9, 3, 64), (8, 1, 128)])
-def test_cpp_decode_split_across_threads_matches_native(shapes, window, h, hk, d):
-    """Few (sequence, KV head) items and long contexts: the bf16 kernel splits each key range into parts that run
-    on every thread and merges them by their maxima. Four threads whatever the machine, so the splits are the same
-    everywhere: 2000 keys in 3 or 7 parts, a 1-key sequence beside a 3000-key one (empty parts), a 600-key window
-    (2 parts), short sequences (one part, no merge). Both sides compute in fp32 and round once to bf16, so they
-    may sit one bf16 step apart (2^-7 |ref|); a part lost or mis-weighted in the merge moves far more."""
+def test_cpp_decode_split_across_threads_matches_native(dtype, shapes, window, h, hk, d):
+    """Few (sequence, KV head) items and long contexts: the part kernels (bf16 on AVX512-BF16, any float type on
+    AVX2 + FMA) split each key range into parts that run on every thread and merge them by their maxima. Four
+    threads whatever the machine, so the splits are the same everywhere: 2000 keys in 3 or 7 parts, a 1-key
+    sequence beside a 3000-key one (empty parts), a 600-key window (2 parts), short sequences (one part, no
+    merge). A part lost or mis-weighted in the merge moves the output far more than the bounds."""
     layer = hal.AttentionLayer(h, hk, d, scale=d ** -0.5, sliding_window=window)
     threads = torch.get_num_threads()
     torch.set_num_threads(4)
     try:
-        ref, got = head_major_outputs(CppAttention, layer, shapes, torch.bfloat16, block_size=16, num_blocks=256)
+        ref, got = head_major_outputs(CppAttention, layer, shapes, dtype, block_size=16, num_blocks=256)
     finally:
         torch.set_num_threads(threads)
-    assert ((got - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-6).all()
+    rel, floor = SPLIT_BOUNDS[dtype]
+    assert ((got.float() - ref.float()).abs() <= rel * ref.float().abs() + floor).all()
 
 
 def _require_brgemm_bf16() -> None:

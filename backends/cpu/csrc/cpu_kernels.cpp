@@ -403,12 +403,12 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len) {
   }
 }
 
-template <typename T, int D>
+// Portable: any head size, any float type (where no part kernel below serves).
+template <typename T>
 void decode_item(raw_t<T>* out, const raw_t<T>* q, float scale, const raw_t<T>* k_head, const raw_t<T>* v_head,
-                 const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t group,
-                 int64_t d_runtime, std::vector<float>& scratch) {
+                 const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t group, int64_t d,
+                 std::vector<float>& scratch) {
   using io = Io<T>;
-  const int64_t d = D > 0 ? D : d_runtime;
   const int64_t len = last - first;
   scratch.resize(group * len + 2 * group * d + d);
   float* __restrict__ scores = scratch.data();
@@ -541,18 +541,100 @@ void decode_part_bf16(float* acc, float* mx, float* sum, const uint16_t* q, floa
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX2__) && defined(__FMA__)
+// Any float cache on AVX2 + FMA (fp32 models on CPUs without native bf16 above all: Zen 2/3, pre-AVX512 Intel).
+// The same plan as the bf16 kernel, in 8-lane registers: q.k by fp32 FMAs over eight keys at a time, summed into
+// one vector of eight scores by a horizontal-add tree (sum8); p.v by FMAs into one head's accumulators, 64 lanes
+// of D per pass, V rows re-read from L1 for each pass. Rows are widened to fp32 as they load (bf16 by a shift,
+// fp16 by F16C), so every product and sum is fp32, as native computes.
+template <typename R>
+inline __m256 load8(const R* p);
+template <>
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+template <>
+inline __m256 load8(const uint16_t* p) {  // bf16
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+template <>
+inline __m256 load8(const _Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
+
+// Element i: the horizontal sum of v[i] (8 fp32 vectors).
+inline __m256 sum8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <typename R, int D>
+void decode_part_avx2(float* acc, float* mx, float* sum, const R* q, float scale, const R* k_head, const R* v_head,
+                      const int32_t* table, int64_t block_size, int64_t first, int64_t last, int64_t group,
+                      std::vector<float>& scratch) {
+  constexpr int kRegs = D / 8;
+  const int64_t len = last - first;
+  std::fill(acc, acc + group * D, 0.0f);
+  if (len <= 0) {
+    std::fill(mx, mx + group, -INFINITY);
+    std::fill(sum, sum + group, 0.0f);
+    return;
+  }
+  scratch.resize(group * len + group * D);
+  float* scores = scratch.data();
+  float* qf = scores + group * len;  // q widened once
+  for (int64_t i = 0; i < group * D; i += 8) _mm256_storeu_ps(qf + i, load8(q + i));
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  for_each_block(k_head, table, block_size, first, last, D, [&](int64_t pos, const R* rows, int64_t count) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qf + g * D;
+      float* s = scores + g * len + pos - first;
+      int64_t t = 0;
+      for (; t + 8 <= count; t += 8) {
+        __m256 a[8];
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_setzero_ps();
+        for (int j = 0; j < kRegs; ++j) {
+          const __m256 qv = _mm256_loadu_ps(qg + 8 * j);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qv, load8(rows + (t + i) * D + 8 * j), a[i]);
+        }
+        _mm256_storeu_ps(s + t, _mm256_mul_ps(sum8(a), scale_v));
+      }
+      for (; t < count; ++t) {  // a block's ragged tail
+        __m256 a = _mm256_setzero_ps();
+        for (int j = 0; j < kRegs; ++j) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), load8(rows + t * D + 8 * j), a);
+        s[t] = hsum8(a) * scale;
+      }
+    }
+  });
+  for (int64_t g = 0; g < group; ++g) sum[g] = exp_row(scores + g * len, len, mx + g);
+  constexpr int kPass = std::min(D, 64) / 8;  // accumulators per pass: 8 registers
+  for_each_block(v_head, table, block_size, first, last, D, [&](int64_t pos, const R* rows, int64_t count) {
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = scores + g * len + pos - first;
+      for (int c = 0; c < D; c += 8 * kPass) {
+        __m256 a[kPass];
+        for (int j = 0; j < kPass; ++j) a[j] = _mm256_loadu_ps(acc + g * D + c + 8 * j);
+        for (int64_t t = 0; t < count; ++t) {
+          const __m256 pv = _mm256_broadcast_ss(p + t);
+          for (int j = 0; j < kPass; ++j) a[j] = _mm256_fmadd_ps(pv, load8(rows + t * D + c + 8 * j), a[j]);
+        }
+        for (int j = 0; j < kPass; ++j) _mm256_storeu_ps(acc + g * D + c + 8 * j, a[j]);
+      }
+    }
+  });
+}
+#endif
+
 constexpr int64_t kMinPartKeys = 256;  // keys per part at least: below that the split costs more than it gains
 constexpr int64_t kMaxParts = 64;
 
-// bf16, D = 64 or 128: with fewer (sequence, KV head) items than twice the threads (batch-1 decode: 3 KV heads on
-// 2 cores left one core a third idle), each item's key range is split into parts that run on all threads, and
-// the parts merge by their maxima (flash-decoding): out = sum_p e^(mx_p - M) acc_p / sum_p e^(mx_p - M) sum_p.
-template <int D>
-void decode_kernel_bf16(uint16_t* out, const uint16_t* q, int64_t q_stride, const uint16_t* cache,
-                        const int32_t* tables, int64_t table_stride, const int32_t* seq_lens, int64_t batch,
-                        int64_t heads, int64_t kv_heads, int64_t blocks, int64_t block_size, float scale,
-                        int64_t window) {
+// One step's decode attention from a part kernel (decode_part_bf16, decode_part_avx2): each (sequence, KV head)
+// item's keys in one part, or, with fewer items than twice the threads (batch-1 decode: 3 KV heads on 2 cores left
+// one core a third idle), its key range split into parts that run on all threads and merge by their maxima
+// (flash-decoding): out = sum_p e^(mx_p - M) acc_p / sum_p e^(mx_p - M) sum_p, rounded once to T.
+template <typename T, int D, typename Part>
+void decode_split(raw_t<T>* out, const raw_t<T>* q, int64_t q_stride, const raw_t<T>* cache, const int32_t* tables,
+                  int64_t table_stride, const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
+                  int64_t blocks, int64_t block_size, float scale, int64_t window, Part&& part_kernel) {
   const int64_t group = heads / kv_heads, items = batch * kv_heads;
   const int64_t head_stride = blocks * block_size * D, plane = kv_heads * head_stride;
   int64_t longest = 0;
@@ -565,7 +647,7 @@ void decode_kernel_bf16(uint16_t* out, const uint16_t* q, int64_t q_stride, cons
   const int64_t units = items * parts, width = group * D;
   std::vector<float> acc(units * width), mx(units * group), sum(units * group);
   const auto merge = [&](int64_t item) {
-    uint16_t* o = out + ((item / kv_heads) * heads + (item % kv_heads) * group) * D;
+    raw_t<T>* o = out + ((item / kv_heads) * heads + (item % kv_heads) * group) * D;
     for (int64_t g = 0; g < group; ++g) {
       float top = -INFINITY, total = 0.0f, weight[kMaxParts];
       for (int64_t p = 0; p < parts; ++p) top = std::max(top, mx[(item * parts + p) * group + g]);
@@ -578,7 +660,7 @@ void decode_kernel_bf16(uint16_t* out, const uint16_t* q, int64_t q_stride, cons
       for (int64_t i = 0; i < D; ++i) {
         float v = 0.0f;
         for (int64_t p = 0; p < parts; ++p) v += weight[p] * acc[(item * parts + p) * width + g * D + i];
-        o[g * D + i] = Io<c10::BFloat16>::store(v * inv);
+        o[g * D + i] = Io<T>::store(v * inv);
       }
     }
   };
@@ -589,9 +671,9 @@ void decode_kernel_bf16(uint16_t* out, const uint16_t* q, int64_t q_stride, cons
       const int64_t len = seq_lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t span = (len - first + parts - 1) / parts;
       const int64_t lo = std::min(len, first + part * span), hi = std::min(len, lo + span);
-      decode_part_bf16<D>(acc.data() + unit * width, mx.data() + unit * group, sum.data() + unit * group,
-                          q + b * q_stride + h * width, scale, cache + h * head_stride, cache + plane + h * head_stride,
-                          tables + b * table_stride, block_size, lo, hi, group, scratch);
+      part_kernel(acc.data() + unit * width, mx.data() + unit * group, sum.data() + unit * group,
+                  q + b * q_stride + h * width, scale, cache + h * head_stride, cache + plane + h * head_stride,
+                  tables + b * table_stride, block_size, lo, hi, group, scratch);
       if (parts == 1) merge(item);  // a whole range: finish it while its accumulators are still in cache
     }
   });
@@ -599,20 +681,50 @@ void decode_kernel_bf16(uint16_t* out, const uint16_t* q, int64_t q_stride, cons
     for (int64_t item = begin; item < end; ++item) merge(item);
   });
 }
+
+// Whether this build has a part kernel for T at head size D (then decode_split serves; else decode_item).
+template <typename T, int D>
+constexpr bool kHasPartKernel =
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    std::is_same_v<T, c10::BFloat16> ||
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+#if defined(__F16C__) && defined(__FLT16_MAX__)
+    std::is_same_v<T, c10::Half> ||
+#endif
+#endif
+    false;
+
+template <typename T, int D>
+void decode_split_for(raw_t<T>* out, const raw_t<T>* q, int64_t q_stride, const raw_t<T>* cache,
+                      const int32_t* tables, int64_t table_stride, const int32_t* seq_lens, int64_t batch,
+                      int64_t heads, int64_t kv_heads, int64_t blocks, int64_t block_size, float scale,
+                      int64_t window) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return decode_split<T, D>(out, q, q_stride, cache, tables, table_stride, seq_lens, batch, heads, kv_heads, blocks,
+                              block_size, scale, window, decode_part_bf16<D>);
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kHasPartKernel<T, D>) {
+    return decode_split<T, D>(out, q, q_stride, cache, tables, table_stride, seq_lens, batch, heads, kv_heads, blocks,
+                              block_size, scale, window, decode_part_avx2<raw_t<T>, D>);
+  }
+#endif
+}
 
 template <typename T>
 void decode_kernel(raw_t<T>* out, const raw_t<T>* q, int64_t q_stride, const raw_t<T>* cache, const int32_t* tables,
                    int64_t table_stride, const int32_t* seq_lens, int64_t batch, int64_t heads, int64_t kv_heads,
                    int64_t blocks, int64_t block_size, int64_t d, float scale, int64_t window) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  if constexpr (kHasPartKernel<T, 64>) {
     if (d == 64 || d == 128)
-      return (d == 64 ? decode_kernel_bf16<64> : decode_kernel_bf16<128>)(
+      return (d == 64 ? decode_split_for<T, 64> : decode_split_for<T, 128>)(
           out, q, q_stride, cache, tables, table_stride, seq_lens, batch, heads, kv_heads, blocks, block_size, scale,
           window);
   }
-#endif
   const int64_t group = heads / kv_heads;
   const int64_t head_stride = blocks * block_size * d, plane = kv_heads * head_stride;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -625,12 +737,7 @@ void decode_kernel(raw_t<T>* out, const raw_t<T>* q, int64_t q_stride, const raw
       const raw_t<T>* qh = q + b * q_stride + h * group * d;
       raw_t<T>* oh = out + (b * heads + h * group) * d;
       const int32_t* table = tables + b * table_stride;
-      if (d == 64)
-        decode_item<T, 64>(oh, qh, scale, k_head, k_head + plane, table, block_size, first, len, group, d, scratch);
-      else if (d == 128)
-        decode_item<T, 128>(oh, qh, scale, k_head, k_head + plane, table, block_size, first, len, group, d, scratch);
-      else
-        decode_item<T, 0>(oh, qh, scale, k_head, k_head + plane, table, block_size, first, len, group, d, scratch);
+      decode_item<T>(oh, qh, scale, k_head, k_head + plane, table, block_size, first, len, group, d, scratch);
     }
   });
 }

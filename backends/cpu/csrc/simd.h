@@ -1,7 +1,9 @@
 // Small SIMD helpers shared by the kernel sources.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #if defined(__AVX2__)
 // The sum of 8 fp32 lanes.
