@@ -24,26 +24,36 @@ def test_cpu_attention_matches_native(dtype, tol, shapes, window):
     assert head_major_vs_native(CpuAttention, layer, shapes, dtype, num_blocks=48) <= tol
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (7, 130), (3, 5, 64)])
+@pytest.mark.parametrize("shape", [(1, 576), (7, 130), (3, 5, 64), (40, 576)])
 @pytest.mark.parametrize("out_features", [1, 97, 3072])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_onednn_linear_matches_native(shape, out_features, with_bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_linear_matches_native(shape, out_features, with_bias, dtype):
+    """bf16: to bf16 rounding. fp32: native's products summed in oneDNN's order, so within fp32 reassociation,
+    K eps32 sum |x w| (+ |b|) elementwise."""
     from resin.backends.cpu import linear
     from resin.hal.platform import cpu_platform
 
     ok, reason = linear.supported(cpu_platform())
     if not ok:
-        pytest.skip(f"requires a CPU with native bf16 matmul: {reason}")
-    x = torch.randn(*shape).to(torch.bfloat16)
-    w = torch.randn(out_features, shape[-1]).to(torch.bfloat16)
-    b = torch.randn(out_features).to(torch.bfloat16) if with_bias else None
+        pytest.skip(f"requires torch's oneDNN: {reason}")
+    if dtype not in linear._dtypes():
+        pytest.skip("requires a CPU with native bf16 matmul (AVX512-BF16 or AMX) for oneDNN's bf16 linear")
+    k = shape[-1]
+    x = torch.randn(*shape).to(dtype)
+    w = torch.randn(out_features, k).to(dtype)
+    b = torch.randn(out_features).to(dtype) if with_bias else None
     assert linear.supports_args(x, w, b) is None
-    ref = hal.LINEAR.native(x, w, b).float()
-    for _ in range(2):  # the second call uses the weight packed by the first
-        got = linear.onednn_linear(x, w, b).float()
+    ref = hal.LINEAR.native(x, w, b).double()
+    if dtype == torch.float32:
+        bound = k * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs()))
+    else:
+        bound = torch.full_like(ref, 1e-2 * max(1.0, ref.abs().max().item()))
+    for _ in range(2):  # bf16: the second call uses the weight packed by the first
+        got = linear.onednn_linear(x, w, b).double()
         assert got.shape == ref.shape
-        assert (got - ref).abs().max().item() <= 1e-2 * max(1.0, ref.abs().max().item())
-    assert linear.supports_args(x.float(), w.float()) is not None  # fp32 stays on native
+        assert ((got - ref).abs() <= bound + 1e-30).all()
+    assert linear.supports_args(x, w.to(torch.float16)) is not None  # mixed dtypes: native
 
 
 

@@ -32,7 +32,7 @@ def fake_providers():
 
 
 def test_cpu_selection_table():
-    from resin.backends.cpu import kernels
+    from resin.backends.cpu import kernels, linear
 
     sel = hal.select_backend("auto", install=False)
     assert sel.platform.kind == "cpu" and sel.backend.name == "cpu"
@@ -44,10 +44,10 @@ def test_cpu_selection_table():
     assert [p.name for p in sel.table["attention"].chain] == cpp + ["cpu", "native"]
     linear_chain = [p.name for p in sel.table["linear"].chain]
     gemv = ["cpp"] if cpp_ok and kernels.gemv_dtypes(sel.platform.cpu_flags) else []  # bf16 or fp32 GEMV
-    if sel.platform.has_native_bf16_matmul():
-        assert linear_chain == gemv + ["onednn", "native"]
-    else:
-        assert linear_chain == gemv + ["native"] and "onednn" in dict(sel.table["linear"].skipped)
+    onednn_ok, onednn_why = linear.supported(sel.platform)  # fp32 everywhere, bf16 where native
+    assert linear_chain == gemv + (["onednn"] if onednn_ok else []) + ["native"]
+    if not onednn_ok:
+        assert dict(sel.table["linear"].skipped)["onednn"] == onednn_why
     assert [p.name for p in sel.table["rotary"].chain] == cpp + ["cpu", "native"]
     for name in ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "quant_linear", "quant_embedding", "argmax",
                  "random_sample"):

@@ -1,12 +1,18 @@
-"""bf16 linear through oneDNN with the weight reordered once into oneDNN's blocked layout.
+"""Linear through oneDNN: bf16 with the weight reordered once into oneDNN's blocked layout, fp32 as it lies.
 
-torch's plain F.linear reaches oneDNN too, but reorders the weight on every call; for the one-row GEMVs of
-batch-1 decode that reorder dominates (measured 8x slower for a 576x3072 projection). The reordered weight is
-made on first use and kept on the weight tensor itself (weight memory doubles; the original stays for any
-other provider and for native). Only bf16: it matched F.linear bit for bit there, while in fp32 oneDNN's
-blocking changes rounding, and fp32 is the reference dtype.
+bf16 (where the CPU multiplies it natively): torch's plain F.linear reaches oneDNN too, but reorders the weight on
+every call; for the one-row GEMVs of batch-1 decode that reorder dominates (measured 8x slower for a 576x3072
+projection). The reordered weight is made on first use and kept on the weight tensor itself (weight memory
+doubles; the original stays for any other provider and for native). It matched F.linear bit for bit.
+
+fp32: F.linear is MKL's sgemm, which on a 2-core Zen 3 ran the built-in model's projections at 9-64 rows at
+0.4-0.9x oneDNN's speed (its 49152-row lm_head at 32 rows 27 ms against 18). There oneDNN takes the plain weight:
+packing it too gained 2% of a 32-row step (110 against 113 ms) for twice the weight memory. oneDNN sums in its own
+order, so fp32 results differ from MKL's within fp32 reassociation (the C++ GEMV's bound; tests/test_cpu_providers).
 """
 from __future__ import annotations
+
+from functools import cache
 
 import torch
 
@@ -20,14 +26,19 @@ _LINEAR_POINTWISE = (torch.ops.mkldnn._linear_pointwise.default
 def supported(platform: Platform) -> tuple[bool, str]:
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return False, "this torch build has no oneDNN linear"
-    if not platform.has_native_bf16_matmul():
-        return False, "no native bf16 matmul on this CPU (needs AVX512-BF16 or AMX)"
     return True, ""
 
 
+@cache
+def _dtypes() -> frozenset[torch.dtype]:
+    from resin.hal.platform import cpu_platform
+
+    return frozenset({torch.float32} | ({torch.bfloat16} if cpu_platform().has_native_bf16_matmul() else set()))
+
+
 def supports_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-        return "onednn linear is used for bf16 only"
+    if x.dtype != weight.dtype or x.dtype not in _dtypes() or (bias is not None and bias.dtype != x.dtype):
+        return "onednn linear: fp32, or bf16 where the CPU multiplies it natively (AVX512-BF16 or AMX)"
     if x.device.type != "cpu" or weight.dim() != 2:
         return "onednn linear needs a 2-D weight on the CPU"
     return None
@@ -36,7 +47,8 @@ def supports_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     # Kept lean: at batch-1 decode this runs ~120 times a step on GEMVs of tens of microseconds, so each
     # microsecond of Python here is ~0.1 ms a step (the overload is resolved once, at import).
-    packed = derived(weight, "onednn_packed", lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+    packed = weight if x.dtype == torch.float32 else \
+        derived(weight, "onednn_packed", lambda: torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
     if x.dim() == 2:
         return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
     out = _LINEAR_POINTWISE(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")
