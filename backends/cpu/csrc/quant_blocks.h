@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#if defined(__F16C__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
@@ -25,6 +25,28 @@ inline float f16(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 #endif
 }
+
+#if defined(__AVX2__)
+// 8 bytes -> 8 int32 lanes.
+inline __m256i u8x8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Q4_0 / Q4_1 quants as exact fp32 integers, in weight order: byte j holds weight j in its low nibble and weight
+// j + 16 in its high one.
+inline void nibbles(const uint8_t* q, __m256* w) {
+  const __m256i mask = _mm256_set1_epi32(0xF), a = u8x8(q), b = u8x8(q + 8);
+  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
+  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
+  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+// Q8_0 quants: 8 signed bytes -> 8 exact fp32 integers.
+inline __m256 i8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
 
 // The 8 six-bit (scale, min) pairs of a Q4_K / Q5_K super-block, packed into 12 bytes.
 inline void k_scales(const uint8_t* s, float d, float dmin, float* scale, float* mins) {

@@ -21,20 +21,6 @@ namespace resin_quant {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 namespace {
 
-// 8 bytes -> 8 int32 lanes.
-inline __m256i u8x8(const uint8_t* p) {
-  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-
-// Q4_0 / Q4_1 quants: byte j holds weight j in its low nibble and weight j + 16 in its high one.
-inline void nibbles(const uint8_t* q, __m256* w) {
-  const __m256i mask = _mm256_set1_epi32(0xF), a = u8x8(q), b = u8x8(q + 8);
-  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, mask));
-  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, mask));
-  w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
-  w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-}
-
 // A decoder reads a stored block's scales (head) and gives each of its kUnits groups of 32 quants as four
 // vectors of 8 in weight order (unit); kMin: the type has a per-group term times the group's activation sum.
 struct Q4_0Rows {
@@ -61,8 +47,7 @@ struct Q8_0Rows {
   static constexpr bool kMin = false;
   void head(const uint8_t* b, float* scale, float*) const { scale[0] = f16(b); }
   void unit(const uint8_t* b, int, __m256* w) const {
-    for (int i = 0; i < 4; ++i)
-      w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i))));
+    for (int i = 0; i < 4; ++i) w[i] = i8x8(b + 2 + 8 * i);
   }
 };
 

@@ -29,6 +29,10 @@ namespace {
 
 using resin_quant::f16;
 using resin_quant::k_scales;
+#if defined(__AVX2__)
+using resin_quant::i8x8;
+using resin_quant::nibbles;
+#endif
 
 #if defined(__AVX512F__)
 // 16 bytes -> 16 int32 lanes; the decoders below unpack 16 weights at a time with these.
@@ -51,6 +55,10 @@ struct Q8_0 {
       _mm512_storeu_ps(y + i, _mm512_mul_ps(vd, _mm512_cvtepi32_ps(v)));
     }
     return;
+#elif defined(__AVX2__)
+    const __m256 vd = _mm256_set1_ps(d);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(vd, i8x8(b + 2 + 8 * i)));
+    return;
 #endif
     for (int i = 0; i < 32; ++i) y[i] = d * q[i];
   }
@@ -66,6 +74,12 @@ struct Q4_0 {
     const __m512i v = u8x16(q);
     _mm512_storeu_ps(y, _mm512_mul_ps(vd, _mm512_sub_ps(low4(v), eight)));
     _mm512_storeu_ps(y + 16, _mm512_mul_ps(vd, _mm512_sub_ps(high4(v), eight)));
+    return;
+#elif defined(__AVX2__)
+    const __m256 vd = _mm256_set1_ps(d), eight = _mm256_set1_ps(8.f);
+    __m256 w[4];
+    nibbles(q, w);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_mul_ps(vd, _mm256_sub_ps(w[i], eight)));
     return;
 #endif
     for (int i = 0; i < 16; ++i) {
@@ -85,6 +99,12 @@ struct Q4_1 {
     const __m512i v = u8x16(q);
     _mm512_storeu_ps(y, _mm512_fmadd_ps(vd, low4(v), vm));
     _mm512_storeu_ps(y + 16, _mm512_fmadd_ps(vd, high4(v), vm));
+    return;
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+    __m256 w[4];
+    nibbles(q, w);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + 8 * i, _mm256_fmadd_ps(vd, w[i], vm));
     return;
 #endif
     for (int i = 0; i < 16; ++i) {
