@@ -231,7 +231,11 @@ def test_fused_moe_at_deepseek_expert_count(num_tokens):
 @pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 4, 2), (23, 8, 3)])
 def test_fused_moe_block_fp8_experts(fp8_dtype, num_tokens, num_experts, top_k):
     """DeepSeek-V3's experts: fp8 weights with a scale per 16 x 32 tile (ragged at the intermediate edge), each
-    GEMM's input quantised per token per 32 columns, against native's per-expert block_fp8_linear loop."""
+    GEMM's input quantised per token per 32 columns, against native's per-expert block_fp8_linear loop.
+
+    The second GEMM quantises an intermediate that the kernel and native compute in different fp32 orders: an
+    element within that rounding error of an fp8 rounding midpoint has two correct fp8 values, a whole step apart.
+    Only those elements' one-step flips are allowed on top of the fp32 tolerance (_fp8_flip_allowance)."""
     hidden, inter, block = 64, 48, (16, 32)
     x = torch.randn(num_tokens, hidden)
     w13, s13 = _block_quantised(torch.randn(num_experts, 2 * inter, hidden) * hidden ** -0.5, block, fp8_dtype)
@@ -239,8 +243,50 @@ def test_fused_moe_block_fp8_experts(fp8_dtype, num_tokens, num_experts, top_k):
     weights, ids = hal.MOE_ROUTE.native(torch.randn(num_tokens, num_experts), top_k)
     quant = dict(w13_scale=s13, w2_scale=s2, block=block)
     assert moe.fused_moe_supports_args(x, w13, w2, weights, ids, "silu", **quant) is None
-    torch.testing.assert_close(moe.fused_moe(x, w13, w2, weights, ids, "silu", **quant),
-                               hal.FUSED_MOE.native(x, w13, w2, weights, ids, "silu", **quant), rtol=1e-4, atol=1e-4)
+    got = moe.fused_moe(x, w13, w2, weights, ids, "silu", **quant)
+    ref = hal.FUSED_MOE.native(x, w13, w2, weights, ids, "silu", **quant)
+    excess = (got - ref).abs() - (1e-4 + 1e-4 * ref.abs()) - _fp8_flip_allowance(x, w13, s13, w2, s2, weights, ids,
+                                                                                 block)
+    assert (excess <= 0).all(), f"{int((excess > 0).sum())} outputs beyond the bound, by up to {excess.max():.3g}"
+
+
+def _fp8_flip_allowance(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
+                        weights: torch.Tensor, ids: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """(T, H): what legitimate one-step fp8 flips of the intermediate can move each output by.
+
+    An element of silu(gate) * up (each token x routed expert), divided by its group's scale, may flip when it lies
+    closer to an fp8 rounding midpoint than its fp32 error bound: gate and up are K-term dots (error <= K eps
+    sum|x w| in any summation order), silu and the product add a few ulps, and the group's amax (the scale) carries
+    its own relative error into every element. A flip moves the element by one grid step, and the output by that
+    step x scale x |its down-projection column| x the routing weight."""
+    from resin.hal.fp8 import expand_block_scales, quantize_fp8_groups
+    eps, k, inter, fp8_dtype = torch.finfo(torch.float32).eps, x.shape[1], w13.shape[1] // 2, w13.dtype
+    grid = torch.arange(256, dtype=torch.uint8).view(fp8_dtype).float()
+    grid = grid[grid.isfinite()].unique()
+    midpoints, steps = (grid[1:] + grid[:-1]) / 2, grid[1:] - grid[:-1]
+    xq, xs = quantize_fp8_groups(x, fp8_dtype, block[1])
+    xd = xq.float() * xs.repeat_interleave(block[1], 1)[:, :k]
+    groups = -(-inter // block[1])
+    allowance = torch.zeros(x.shape[0], w2.shape[1])
+    for e in ids.long().unique().tolist():
+        tok, slot = (ids.long() == e).nonzero(as_tuple=True)
+        wd = w13[e].float() * expand_block_scales(s13[e], block, tuple(w13[e].shape))
+        gate_up, bound = xd[tok] @ wd.T, k * eps * (xd[tok].abs() @ wd.abs().T)
+        g, u, bg, bu = gate_up[:, :inter], gate_up[:, inter:], bound[:, :inter], bound[:, inter:]
+        sig = torch.sigmoid(g)
+        h = g * sig * u
+        bh = (sig * (1 + g * (1 - sig)) * u).abs() * bg + (g * sig).abs() * bu + 8 * eps * h.abs()
+        hg, bhg = (torch.nn.functional.pad(t, (0, groups * block[1] - inter)).view(-1, groups, block[1])
+                   for t in (h, bh))
+        amax, where = hg.abs().max(-1, keepdim=True)
+        scale = amax / torch.finfo(fp8_dtype).max
+        v = hg / scale
+        bv = bhg / scale + v.abs() * bhg.gather(-1, where) / amax  # the element's own error, then the scale's
+        distance, nearest = (v.unsqueeze(-1) - midpoints).abs().min(-1)
+        flip = torch.where(distance <= bv, steps[nearest] * scale, 0.0).view(len(tok), -1)[:, :inter]
+        w2d = w2[e].float() * expand_block_scales(s2[e], block, tuple(w2[e].shape))
+        allowance.index_add_(0, tok, (flip @ w2d.abs().T) * weights[tok, slot].float().unsqueeze(1))
+    return allowance
 
 
 def _block_quantised(w: torch.Tensor, block: tuple[int, int], fp8_dtype: torch.dtype):
