@@ -1,4 +1,4 @@
-"""python -m resin.ci run --vendor cpu|cuda|rocm [--runner LABEL] [--groups a,b]
+"""python -m resin.ci run --vendor cpu|cuda|rocm [--runner LABEL] [--groups a,b] [-- PYTEST_ARGS]
 python -m resin.ci workflow [--write | --check]
 python -m resin.ci kernels [--targets gfx942,gfx950,sm_90,sm_100] [--shapes S,..] [--all] [--json PATH] [--jobs N]"""
 from __future__ import annotations
@@ -15,10 +15,13 @@ from resin.ci.matrix import Cell, load_matrix
 from resin.ci.workflow import WORKFLOW_FILE, render
 
 
-def run_cell(cell: Cell, present: str) -> tuple[str, float]:
+def run_cell(cell: Cell, present: str, extra_pytest_args: list[str] = ()) -> tuple[str, float]:
+    """Run one cell; extra_pytest_args narrow a pytest cell (`-k NAME` reruns one failing test in the cell's own
+    markers and environment)."""
     if cell.requires is not None and cell.requires != present:
         return f"skipped: requires {cell.requires} GPU", 0.0
-    cmd = [sys.executable, "-m", "pytest", *cell.pytest_args()] if cell.markers else shlex.split(cell.command)
+    cmd = ([sys.executable, "-m", "pytest", *cell.pytest_args(), *extra_pytest_args] if cell.markers
+           else shlex.split(cell.command))
     env = {**os.environ, **cell.env, "RESIN_TEST_BACKEND": cell.vendor}
     start = time.monotonic()
     try:
@@ -41,8 +44,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.groups:
         wanted = set(args.groups.split(","))
         cells = [c for c in cells if c.group in wanted]
+    extra = args.pytest_args[1:] if args.pytest_args[:1] == ["--"] else args.pytest_args
+    if extra and any(not c.markers for c in cells):
+        raise ValueError(f"pytest arguments ({shlex.join(extra)}) only apply to pytest groups; "
+                         f"pick those with --groups")
     present = detect_kind()
-    rows = [(c.group, *run_cell(c, present)) for c in cells]
+    rows = [(c.group, *run_cell(c, present, extra)) for c in cells]
     print(f"\nvendor {args.vendor}, runner {runner}, this machine: {present}")
     width = max(len(r[0]) for r in rows)
     for group, status, seconds in rows:
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vendor", required=True)
     p.add_argument("--runner", default=None, help="the runner label, for the summary (default: the first)")
     p.add_argument("--groups", default=None, help="only these groups, comma-separated")
+    p.add_argument("pytest_args", nargs=argparse.REMAINDER,
+                   help="after --: passed to pytest in each selected group, e.g. -- -k test_fused_moe")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("workflow", help="print, --write or --check .github/workflows/ci.yml")
     p.add_argument("--write", action="store_true")

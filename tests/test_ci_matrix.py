@@ -55,10 +55,23 @@ def test_absent_vendor_column_reports_skips(vendor):
 
 
 def test_cpu_column_runs_a_group():
-    proc = subprocess.run([sys.executable, "-m", "resin.ci", "run", "--vendor", "cpu", "--groups", "kernels-interpreted"],
+    """The cell's markers and environment apply: `-k` names a kernels test and a unit test, and only the kernels
+    one runs, in Triton's interpreter (there is no GPU here to run it otherwise). The suite itself runs the whole
+    group; this checks the runner."""
+    proc = subprocess.run([sys.executable, "-m", "resin.ci", "run", "--vendor", "cpu", "--groups",
+                           "kernels-interpreted", "--", "-rA", "-k", "test_rms_norms or test_matrix_cells"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "kernels-interpreted" in proc.stdout and "passed" in proc.stdout
+    summary = next(line for line in proc.stdout.splitlines() if line.strip().startswith("kernels-interpreted"))
+    assert "passed" in summary
+    ran = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("PASSED ")]
+    assert ran and all("::test_rms_norms[" in name for name in ran), proc.stdout
+
+
+def test_pytest_arguments_need_pytest_groups():
+    proc = subprocess.run([sys.executable, "-m", "resin.ci", "run", "--vendor", "cpu", "--groups", "bench-smoke",
+                           "--", "-k", "x"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and "only apply to pytest groups" in proc.stderr
 
 
 def test_gpu_test_without_marker_fails_collection(tmp_path):
