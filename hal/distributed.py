@@ -11,7 +11,7 @@ single-rank answer to compare with, and every rank would have to replay it in lo
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,9 @@ class ParallelGroup:
     cpu_group: Any = None  # host-side messages: the step inputs rank 0 broadcasts (always gloo)
     expert_parallel: bool = False  # MoE layers place whole experts on ranks instead of splitting each expert
     host_exchange: Any = None  # CPU ranks of one machine: a shared-memory segment for fast collectives
+    # What GPU collective providers set up for this group on their first call (peer-mapped buffers, by provider
+    # name); each has close(), called when the process leaves the group.
+    device_resources: dict[str, Any] = field(default_factory=dict)
 
 
 _GROUP = ParallelGroup()

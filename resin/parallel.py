@@ -88,6 +88,8 @@ def leave_group(together: bool = False) -> None:
     if dist.is_initialized():
         if together:
             dist.barrier(group=parallel().cpu_group)
+        for resource in parallel().device_resources.values():  # peer mappings go before the groups they used
+            resource.close()
         dist.destroy_process_group()
     if parallel().host_exchange is not None:
         parallel().host_exchange.close()

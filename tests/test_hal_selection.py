@@ -126,7 +126,7 @@ def test_unknown_backend_name():
 
 
 AITER_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "moe_route", "fused_moe", "fp8_linear",
-             "gated_delta_rule", "mla_attention", "block_fp8_linear"}
+             "gated_delta_rule", "mla_attention", "block_fp8_linear", "all_reduce"}
 TRITON_OPS = {"attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "gelu_and_mul", "moe_route",
               "fused_moe", "causal_conv1d", "causal_conv1d_update", "gated_delta_rule", "mla_attention",
               "block_fp8_linear"}
@@ -200,11 +200,42 @@ def test_flash_attn_and_flashinfer_say_what_they_cannot_serve():
     assert "head sizes" in FlashInferAttention.unsupported_reason([odd], 16, torch.bfloat16, cuda)
 
 
+def test_gpu_all_reduce_providers_and_why_not():
+    for arch in ("sm_90", "sm_100"):
+        assert hal.describe_backend("cuda", arch=arch, libraries=frozenset()).table["all_reduce"].chosen == "symm_mem"
+    ampere = hal.describe_backend("cuda", arch="sm_80", libraries=frozenset()).table["all_reduce"]
+    assert ampere.chosen == "native" and "sm_90" in dict(ampere.skipped)["symm_mem"]
+    assert hal.describe_backend("rocm", arch="gfx942", libraries=frozenset({"aiter"})).table["all_reduce"].chosen == \
+        "aiter"
+    bare = hal.describe_backend("rocm", arch="gfx950", libraries=frozenset()).table["all_reduce"]
+    assert bare.chosen == "native" and "not importable" in dict(bare.skipped)["aiter"]
+    assert all(p.graph_safe for p in hal.ALL_REDUCE.providers.values())  # decode graphs keep them
+
+
+def test_gpu_all_reduce_providers_decline_what_they_cannot_reduce():
+    """Their per-call checks, on what this machine has: one rank, or host tensors, go to native (NCCL/RCCL)."""
+    from resin.backends.cuda import symm_mem
+    from resin.backends.rocm.aiter import all_reduce as aiter_all_reduce
+    from resin.hal.distributed import ParallelGroup, parallel, set_parallel
+
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    assert "ranks" in symm_mem.supports_args(x) and "one rank" in aiter_all_reduce.supports_args(x)
+    before = parallel()
+    set_parallel(ParallelGroup(0, 2))
+    try:
+        assert "CUDA tensors" in symm_mem.supports_args(x) and "GPU tensors" in aiter_all_reduce.supports_args(x)
+        set_parallel(ParallelGroup(0, 3))
+        assert "3 ranks" in symm_mem.supports_args(x)
+    finally:
+        set_parallel(before)
+
+
 def test_gpu_tables_without_triton_fall_back_to_native():
     for backend, arch in (("cuda", "sm_90"), ("rocm", "gfx942")):
         sel = hal.describe_backend(backend, arch=arch, libraries=frozenset())
         assert "not importable" in dict(sel.table["attention"].skipped)["triton"]
-        assert all(c.chosen in ("native", "torch_graphs") for c in sel.table.values())
+        # symm_mem needs no library: torch's own (on sm_90+)
+        assert all(c.chosen in ("native", "torch_graphs", "symm_mem") for c in sel.table.values())
         assert "triton is not importable" in dict(sel.table["rms_norm"].skipped)["triton"]
     old = hal.describe_backend("cuda", arch="sm_75", libraries=frozenset({"triton"}))
     assert "sm_80" in dict(old.table["attention"].skipped)["triton"]

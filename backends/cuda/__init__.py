@@ -7,12 +7,16 @@ Attention: the Triton kernel first (graph-safe, every configuration); flashinfer
 follow it in the chain (they serve what it declines, or everything with --ops attention=flashinfer): neither is
 graph-safe here, so with either first eager steps use it and captured decode steps the Triton kernel, and
 upstream flash-attn 2 pages KV only in multiples of 256 tokens (Resin's blocks are 16).
+
+Tensor parallelism: all_reduce through torch's symmetric memory on sm_90+ (bf16, up to 16 MiB; NCCL for the
+rest), all_gather through NCCL.
 """
-from resin.backends.cuda import flashmla, graphs, scaled_mm
+from resin.backends.cuda import flashmla, graphs, scaled_mm, symm_mem
 from resin.backends.cuda.flash_attn_attention import FlashAttnAttention
 from resin.backends.cuda.flashinfer_attention import FlashInferAttention
 from resin.backends.triton import providers as _triton  # noqa: F401  (registers the "triton" providers)
 from resin.hal.attention import ATTENTION
+from resin.hal.distributed import ALL_REDUCE
 from resin.hal.fp8 import FP8_LINEAR
 from resin.hal.graphs import CAPTURE_GRAPH
 from resin.hal.mla import MLA_ATTENTION
@@ -36,6 +40,7 @@ CAPTURE_GRAPH.register("torch_graphs", graphs.supported)(graphs.capture)
 MLA_ATTENTION.register("flashmla", flashmla.supported, flashmla.FlashMla.unsupported_reason,
                        library="flash-mla")(flashmla.FlashMla)
 FP8_LINEAR.register("scaled_mm", scaled_mm.supported, scaled_mm.supports_args)(scaled_mm.fp8_linear)
+ALL_REDUCE.register(symm_mem.NAME, symm_mem.supported, symm_mem.supports_args)(symm_mem.all_reduce)
 # graph-safety comes from each class's supports_graphs (neither is)
 ATTENTION.register("flashinfer", _library("flashinfer", "flashinfer-python"), FlashInferAttention.unsupported_reason,
                    library="flashinfer-python")(FlashInferAttention)
@@ -49,5 +54,5 @@ BACKEND = BackendSpec(
     "cuda", priorities={**{op: ["triton"] for op in TRITON_OPS}, "attention": ["triton", "flashinfer", "flash_attn"],
                         "mla_attention": ["triton", "flashmla"],
                         "fp8_linear": ["scaled_mm", "triton"], "block_fp8_linear": ["triton"],
-                        "capture_graph": ["torch_graphs"]},
+                        "capture_graph": ["torch_graphs"], "all_reduce": [symm_mem.NAME]},
     note="Triton kernels (warp32 tuning), cuBLAS linear, fp8 e4m3fn, CUDA graphs per decode bucket")

@@ -1,11 +1,13 @@
 """AMD backend (gfx942 MI300X/MI325X, gfx950 MI350/MI355): aiter kernels where aiter is installed, the shared
 Triton kernels (wave64 tuning in tuning.py) for everything else and wherever aiter declines a call, fp8 in the
-arch's flavour (e4m3fnuz on gfx942, converted on load), and HIP graphs through torch's CUDA-graph API.
+arch's flavour (e4m3fnuz on gfx942, converted on load), and HIP graphs through torch's CUDA-graph API. Tensor parallelism: all_reduce through aiter's custom all-reduce,
+RCCL for what it declines and for all_gather.
 
 The aiter adapters (backends/rocm/aiter/) are untested on hardware in this project; see their module docs.
 """
 from resin.backends.cuda import graphs, scaled_mm
 from resin.backends.rocm import aiter
+from resin.backends.rocm.aiter import all_reduce as aiter_all_reduce
 from resin.backends.rocm.aiter import attention as aiter_attention
 from resin.backends.rocm.aiter import delta_rule as aiter_delta_rule
 from resin.backends.rocm.aiter import gemm as aiter_gemm
@@ -15,6 +17,7 @@ from resin.backends.rocm.aiter import norm as aiter_norm
 from resin.backends.rocm.aiter import rotary as aiter_rotary
 from resin.backends.triton import providers as _triton  # noqa: F401  (registers the "triton" providers)
 from resin.hal.attention import ATTENTION
+from resin.hal.distributed import ALL_REDUCE
 from resin.hal.fp8 import BLOCK_FP8_LINEAR, FP8_LINEAR
 from resin.hal.graphs import CAPTURE_GRAPH
 from resin.hal.mla import MLA_ATTENTION
@@ -46,6 +49,7 @@ FP8_LINEAR.register("aiter", aiter.fp8_supported, aiter_gemm.supports_args, libr
     aiter_gemm.fp8_linear)
 FP8_LINEAR.register("scaled_mm", scaled_mm.supported, scaled_mm.supports_args)(scaled_mm.fp8_linear)
 CAPTURE_GRAPH.register("torch_graphs", graphs.supported)(graphs.capture)
+ALL_REDUCE.register("aiter", aiter.supported, aiter_all_reduce.supports_args, library=A)(aiter_all_reduce.all_reduce)
 
 BACKEND = BackendSpec(
     "rocm",
@@ -65,6 +69,7 @@ BACKEND = BackendSpec(
         "fp8_linear": ["aiter", "scaled_mm", "triton"],
         "block_fp8_linear": ["aiter", "triton"],
         "capture_graph": ["torch_graphs"],
+        "all_reduce": ["aiter"],
     },
     note="aiter where installed (gfx942/gfx950), shared Triton kernels (wave64 tuning) otherwise, fp8 e4m3fnuz "
          "on gfx942 / e4m3fn on gfx950, HIP graphs")
