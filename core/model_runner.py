@@ -20,7 +20,8 @@ from resin.core.kv_cache_manager import NULL_BLOCK
 from resin.core.request import Request
 from resin.core.scheduler import ScheduledBatch
 from resin.core.step_channel import Command, StepChannel, StepInputs
-from resin.hal import AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext, RecurrentMetadata
+from resin.hal import (AttentionBackend, AttentionLayer, AttentionMetadata, ForwardContext, RecurrentMetadata,
+                       zeros_on_huge_pages)
 from resin.hal.mla import attention_op
 from resin.hal.registry import GraphUnsafeError, graph_phase, graph_substitutions
 
@@ -102,8 +103,8 @@ class ModelRunner:
         self.attns = self._group_backends(model.attention_layers, dtype, device)
         decode_attns = self._graph_attention(model.attention_layers, dtype, device) if graph_batch > 0 else None
         route = layout.route()
-        slots = [torch.zeros(self.attn.kv_cache_shape(num_blocks + 1, self.block_size, hk, d), dtype=dtype,
-                             device=device) for hk, d in self._slot_shapes(model.attention_layers)]
+        slots = [zeros_on_huge_pages(self.attn.kv_cache_shape(num_blocks + 1, self.block_size, hk, d), dtype, device)
+                 for hk, d in self._slot_shapes(model.attention_layers)]
         self.kv_caches = [slots[j] for _, j in route]
         self.cache_slots = slots
         max_blocks = -(-max_model_len // self.block_size)

@@ -5,6 +5,7 @@ from resin.hal.attention import (ATTENTION, AttentionBackend, AttentionLayer, At
                                  write_kv)
 from resin.hal.distributed import ALL_GATHER, ALL_REDUCE, ParallelGroup, parallel, set_parallel
 from resin.hal.fp8 import BLOCK_FP8_LINEAR, FP8_LINEAR, e4m3fn_to_e4m3fnuz, quantize_fp8
+from resin.hal.memory import move_to_huge_pages, zeros_on_huge_pages
 from resin.hal.mla import MLA_ATTENTION, MlaLayer, NativeMla, attention_op, mla_layer
 from resin.hal.moe import FUSED_MOE, MOE_ROUTE
 from resin.hal.ops import (ARGMAX, EMBEDDING, FUSED_ADD_RMS_NORM, GELU_AND_MUL, LINEAR, RANDOM_SAMPLE, RMS_NORM,
@@ -26,6 +27,7 @@ __all__ = [
     "CAUSAL_CONV1D", "CAUSAL_CONV1D_UPDATE", "GATED_DELTA_RULE", "RecurrentLayer", "RecurrentMetadata",
     "ARGMAX", "EMBEDDING", "FUSED_ADD_RMS_NORM", "GELU_AND_MUL", "LINEAR", "RANDOM_SAMPLE", "RMS_NORM", "ROTARY",
     "SILU_AND_MUL",
+    "move_to_huge_pages", "zeros_on_huge_pages",
     "QUANT_EMBEDDING", "QUANT_LINEAR", "Platform", "detect_kind", "Op", "OpChoice", "Provider", "SelectionError", "all_ops", "rope_cos_sin_cache",
     "BACKENDS", "BackendSpec", "Selection", "describe_backend", "select_backend",
 ]
