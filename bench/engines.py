@@ -98,7 +98,9 @@ def vllm_cpu_env(cpus: int, kv_cache_gib: int = 1) -> dict[str, str]:
 def run_vllm(args, prompts):
     for key, value in vllm_cpu_env(args.threads).items():
         os.environ.setdefault(key, value)  # an explicit setting by the caller wins
-    args.peer_config = {key: os.environ[key] for key in vllm_cpu_env(args.threads)}
+    # THP_MEM_ALLOC_ENABLE (torch's allocator on huge pages) is not in vLLM's docs; recorded where a caller sets it
+    args.peer_config = {key: os.environ[key] for key in (*vllm_cpu_env(args.threads), "THP_MEM_ALLOC_ENABLE")
+                        if key in os.environ}
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
