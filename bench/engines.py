@@ -136,9 +136,9 @@ def main() -> None:
     with open(args.prompts) as f:
         prompts = json.load(f)
     gen = RUNNERS[args.engine](args, prompts)
-    # warm-up (lazy init, first-call compilation): short, as prompts may be 8k long, and reversed, so that no block
-    # of the measured prompt is in a prefix cache before its first run
-    gen([prompts[0][:256][::-1]], 2)
+    # warm-up (lazy init, first-call compilation, a full prefill chunk's shapes): up to 2048 tokens, as prompts may
+    # be 8k long, and reversed, so that no block of the measured prompt is in a prefix cache before its first run
+    gen([prompts[0][:2048][::-1]], 2)
     if args.mode == "batch":
         batch = prompts[:args.concurrency]
         start = time.perf_counter()

@@ -8,12 +8,14 @@ weights and cache on huge pages (attention 15.8-16.8 -> 14.6-15.2 ms, linear 20.
 
 Linux's THP must be `always` or `madvise` (the usual default); with `never`, or off Linux, buffers are plain. Only
 whole 2 MiB stretches are advised, so a buffer's ragged tail stays on small pages and costs no extra memory.
-GPU tensors are left alone (the driver chooses their pages).
+GPU tensors are left alone (the driver chooses their pages), and so are copies a provider makes at its first call
+(bf16 weights oneDNN reorders into its own layout).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import sys
 from pathlib import Path
 
@@ -42,12 +44,15 @@ def _advise(address: int, length: int) -> bool:
 
 def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor whose whole 2 MiB stretches are advised to be huge pages before anything
-    touches them (a plain torch.empty where huge pages are unavailable or the buffer is under 2 MiB)."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    touches them (a plain CPU torch.empty where huge pages are unavailable or the buffer is under 2 MiB)."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype, device="cpu").element_size()
     if nbytes < HUGE_PAGE or not huge_pages_available():
-        return torch.empty(shape, dtype=dtype)
-    # Large allocations come straight from mmap, untouched: advised now, their first touch maps huge pages.
-    base = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+        return torch.empty(shape, dtype=dtype, device="cpu")
+    # A fresh anonymous mapping, never touched: malloc may hand back heap memory already on small pages (glibc
+    # serves blocks up to 32 MiB from its heap once such blocks were freed), where the advice would only wait for
+    # khugepaged. The tensor holds the mapping (frombuffer keeps its buffer alive).
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE)
+    base = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -base.data_ptr() % HUGE_PAGE
     region = base[offset:offset + nbytes]
     _advise(region.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE)

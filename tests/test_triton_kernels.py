@@ -278,10 +278,12 @@ def _fp8_flip_allowance(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w
         bh = (sig * (1 + g * (1 - sig)) * u).abs() * bg + (g * sig).abs() * bu + 8 * eps * h.abs()
         hg, bhg = (torch.nn.functional.pad(t, (0, groups * block[1] - inter)).view(-1, groups, block[1])
                    for t in (h, bh))
-        amax, where = hg.abs().max(-1, keepdim=True)
+        amax = hg.abs().amax(-1, keepdim=True)
         scale = amax / torch.finfo(fp8_dtype).max
         v = hg / scale
-        bv = bhg / scale + v.abs() * bhg.gather(-1, where) / amax  # the element's own error, then the scale's
+        # the element's own error, then the scale's: whichever element the kernel finds largest, amax is off by at
+        # most the largest error in the group
+        bv = bhg / scale + v.abs() * bhg.amax(-1, keepdim=True) / amax
         distance, nearest = (v.unsqueeze(-1) - midpoints).abs().min(-1)
         flip = torch.where(distance <= bv, steps[nearest] * scale, 0.0).view(len(tok), -1)[:, :inter]
         w2d = w2[e].float() * expand_block_scales(s2[e], block, tuple(w2[e].shape))

@@ -72,10 +72,23 @@ def test_gpu_all_reduce_provider_equals_nccl(gpu_device, tmp_path):
     script = tmp_path / "collectives.py"
     script.write_text(SCRIPT)
     port, seed = free_port(), int(torch.randint(0, 1 << 20, (1,)))
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), "2", str(port), str(seed)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=600) for p in procs]
+    logs = [(tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err") for r in range(2)]
+    procs = []
+    try:  # output to files, not pipes: a rank blocked on a full pipe would stall the other in the collective
+        for r, (out, err) in enumerate(logs):
+            with open(out, "w") as o, open(err, "w") as e:
+                procs.append(subprocess.Popen([sys.executable, str(script), str(r), "2", str(port), str(seed)],
+                                              stdout=o, stderr=e))
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    outs = [(out.read_text(), err.read_text()) for out, err in logs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and ("OK" in out or "NATIVE" in out), err[-4000:]
     if "NATIVE" in outs[0][0]:
-        pytest.skip("no GPU collective provider serves this GPU (symm_mem needs sm_90+, aiter needs amd-aiter)")
+        pytest.skip("no GPU collective provider serves these GPUs (symm_mem: sm_90/sm_100 with peer access; "
+                    "aiter: amd-aiter installed)")
