@@ -37,15 +37,20 @@ def huge_pages_available() -> bool:
         return False
 
 
-def _advise(address: int, length: int) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE) == 0
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _advise(address: int, length: int) -> None:
+    """Advice only: where the kernel declines it, the buffer simply stays on small pages."""
+    _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE)
 
 
 def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor whose whole 2 MiB stretches are advised to be huge pages before anything
     touches them (a plain CPU torch.empty where huge pages are unavailable or the buffer is under 2 MiB)."""
-    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype, device="cpu").element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if nbytes < HUGE_PAGE or not huge_pages_available():
         return torch.empty(shape, dtype=dtype, device="cpu")
     # A fresh anonymous mapping, never touched: malloc may hand back heap memory already on small pages (glibc
@@ -60,7 +65,8 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.zeros; on the CPU on huge pages (the KV cache)."""
+    """torch.zeros; on the CPU on huge pages (the KV cache). Zeroing also faults every page in now, not during the
+    first steps that write the cache."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     return empty_on_huge_pages(shape, dtype).zero_()
