@@ -5,11 +5,13 @@ vLLM's own benchmark client, on the same machine.
     python bench/serve_sweep.py                                                   # Resin alone, bench/serve.py's client
 
 Both servers start first and stay up; the points alternate between them (--rounds sweeps, medians reported). Both
-serve the built-in model's safetensors folder in bf16 (Resin with --quantization none, so the weights are the
+serve the built-in model's safetensors folder in one dtype (Resin with --quantization none, so the weights are the
 same; --resin-args changes that). vLLM-CPU runs as its CPU docs advise (threads bound to every core, an explicit KV
 space: bench/engines.py's vllm_cpu_env; an exported value wins). The client is `vllm.benchmarks.serve` run in the
 peer's interpreter (`--backend openai --endpoint /v1/completions --dataset-name random --ignore-eos --request-rate
-inf --max-concurrency C`), the same prompts for both servers (fixed seeds, other prompts at every point). Without a
+inf --max-concurrency C`), the same prompts for both servers (fixed seeds, other prompts at every point).
+--dtype picks the weights' type for both (default: bf16 where the CPU has native bf16 matmul, fp32 elsewhere, as
+Resin's dtype="auto" chooses; both engines emulate bf16 slowly on a CPU without it). Without a
 vLLM venv there is neither vLLM's client nor its server: Resin is measured with bench/serve.py's client, on the same
 kind of random prompts.
 
@@ -32,6 +34,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
+from compare import machine_dtype  # noqa: E402
 from engines import vllm_cpu_env  # noqa: E402
 from serve import free_port, launch_resin, run as run_builtin_client, wait_healthy  # noqa: E402
 
@@ -42,12 +45,12 @@ _VLLM_CLIENT = ("import argparse, sys; from vllm.benchmarks.serve import add_cli
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_e2el_ms")
 
 
-def start_vllm(python: str, model_dir: str, log) -> tuple[subprocess.Popen, str, dict[str, str]]:
+def start_vllm(python: str, model_dir: str, dtype: str, log) -> tuple[subprocess.Popen, str, dict[str, str]]:
     env = {**vllm_cpu_env(os.cpu_count() or 1), **os.environ}  # an exported value wins
     config = {k: env[k] for k in vllm_cpu_env(1)}
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", "bench",
-           "--dtype", "bfloat16", "--port", str(port), "--max-model-len", "2048"]
+           "--dtype", dtype, "--port", str(port), "--max-model-len", "2048"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, wait_healthy(proc, f"http://127.0.0.1:{port}"), config
 
@@ -166,13 +169,18 @@ def main() -> None:
     ap.add_argument("--min-prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="sweeps, each point alternating servers; medians reported")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--resin-args", default="--dtype bfloat16 --quantization none",
-                    help="extra `resin run` arguments (default: the same bf16 weights vLLM serves)")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="both servers' weights (auto: bf16 on CPUs with native bf16 matmul, else fp32)")
+    ap.add_argument("--resin-args", default="--quantization none",
+                    help="extra `resin run` arguments (default: the same dense weights vLLM serves)")
     ap.add_argument("--servers", default="resin,vllm", help="which of resin,vllm to run (vllm needs --vllm-python)")
     ap.add_argument("--out", default="bench/results/serve_sweep.json")
     args = ap.parse_args()
 
     from resin.builtin import ensure_builtin_model
+
+    if args.dtype == "auto":
+        args.dtype = machine_dtype()
 
     model_dir = str(ensure_builtin_model().path)
     unknown = set(args.servers.split(",")) - {"resin", "vllm"}
@@ -191,10 +199,10 @@ def main() -> None:
             for name in servers:
                 start = time.perf_counter()
                 if name == "resin":
-                    running[name] = launch_resin([model_dir, "--served-model-name", "bench",
-                                                  *args.resin_args.split()], log)
+                    running[name] = launch_resin([model_dir, "--served-model-name", "bench", "--dtype",
+                                                  args.dtype, *args.resin_args.split()], log)
                 else:
-                    proc, url, peer_config = start_vllm(args.vllm_python, model_dir, log)
+                    proc, url, peer_config = start_vllm(args.vllm_python, model_dir, args.dtype, log)
                     running[name] = proc, url
                 print(f"{name}: up in {time.perf_counter() - start:.1f} s", flush=True)
                 warm_up(running[name][1], args, model_dir)

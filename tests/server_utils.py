@@ -19,9 +19,11 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None, launcher: list[str] | None = None):
-        """launcher: what runs the CLI (default `python -m resin.cli`); a test may wrap it to inject a fault."""
-        self.port = free_port()
+    def __init__(self, *args: str, api_key: str | None = None, launcher: list[str] | None = None,
+                 port: int | None = None):
+        """launcher: what runs the CLI (default `python -m resin.cli`); a test may wrap it to inject a fault.
+        port: default a free one."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(prefix="resin-server-", suffix=".log", delete=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 import tracemalloc
 
@@ -88,7 +89,7 @@ def test_a_consumer_that_stops_reading_is_aborted_and_its_blocks_freed(llm):
 def test_admission_counts_sequences_not_requests(llm):
     async def main():
         engine = AsyncEngine(llm.engine, max_waiting=10)  # not started: nothing leaves the queue
-        engine._thread.is_alive = lambda: True  # noqa: admission only; the thread never runs here
+        engine._running = True  # noqa: admission only; no thread steps it here
         a = engine.submit("a", [(None, [1, 2])], _params(4, n=6))
         with pytest.raises(QueueFull):
             engine.submit("b", [(None, [1, 2]), (None, [3])], _params(4, n=3))
@@ -123,3 +124,28 @@ def test_a_reader_kept_waiting_by_the_queue_is_not_stalled(llm):
     assert not stream.stalled
     assert outs[-1].outputs[-1].finish_reason == "length"
     assert sum(len(c.token_ids) for o in outs for c in o.outputs) == 40
+
+
+def test_run_in_this_thread_steps_in_the_caller_and_serves_requests_from_another(llm):
+    """`resin run`'s arrangement: the engine steps in the thread that calls run_in_this_thread (the main thread,
+    which owns the model's OpenMP team) while an event loop in another thread submits and reads; stop() from that
+    thread ends the loop."""
+    steppers: set[str] = set()
+    result: dict = {}
+    engine = AsyncEngine(llm.engine, on_step=lambda _: steppers.add(threading.current_thread().name))
+
+    def http_side():
+        async def main():
+            stream = engine.submit("r", [(None, [1, 2, 3])], _params(12))
+            result["tokens"] = sum([len(c.token_ids) async for _, o in stream for c in o.outputs])
+        try:
+            asyncio.run(main())
+        finally:
+            engine.stop()
+
+    http = threading.Thread(target=http_side, name="http")
+    engine.run_in_this_thread(then_start=http.start)
+    http.join(60)
+    assert result["tokens"] == 12
+    assert steppers == {threading.current_thread().name}
+    assert not engine.alive  # the loop returned: submitting now fails with a 503, not a hang

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -136,3 +137,15 @@ def builtin_server():
     srv = ServerProcess("--kv-cache-memory", "256MiB").wait_ready()
     yield srv
     assert srv.stop() == 0
+
+
+def test_a_port_already_taken_exits_non_zero_with_the_reason(long_model):
+    """The HTTP server runs beside the engine's main thread: if it cannot listen, the process must still exit with
+    uvicorn's status (3, startup failure) and reason, not run on without a server or exit 0."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        srv = ServerProcess(str(long_model), "--served-model-name", "m", "--kv-cache-memory", "32MiB",
+                            port=taken.getsockname()[1])
+        assert srv.proc.wait(180) == 3
+    assert "address already in use" in srv.logs().lower()

@@ -1,4 +1,5 @@
-"""`resin run`: build the engine, start the engine thread, serve HTTP with uvicorn, shut down gracefully.
+"""`resin run`: build the engine, step it in the main thread, serve HTTP with uvicorn from another, shut down
+gracefully.
 
 On SIGINT/SIGTERM uvicorn stops accepting connections and waits for in-flight requests (/health answers 503
 meanwhile); if they are still running when the grace period ends, they are aborted, so every stream ends with a
@@ -13,6 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
 import uvicorn
 
 from resin.engine_builder import EngineArgs, build_engine, shutdown_engine
@@ -69,18 +71,39 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
     engine.on_fatal = server.engine_died
     if built.workers is not None:  # a rank that exits fails the engine: unhealthy, then exit 1
         built.workers.on_death = lambda reason: engine.fail(RuntimeError(reason))
+    http = threading.Thread(target=_serve_http, args=(server, engine), name="resin-http")
+    for sig in (signal.SIGINT, signal.SIGTERM):  # signals reach the main thread, which steps the engine
+        signal.signal(sig, server.handle_exit)
     try:
-        server.run()
+        engine.run_in_this_thread(then_start=http.start)
+        http.join()
     finally:
         if engine.error is None:
             shutdown_engine(built)
         elif built.workers is not None:
             built.workers.close(timeout=0)
+    if server.exit_code:
+        return server.exit_code
     if engine.error is not None:
         log.error("exiting with status 1: the engine failed (%r); a supervisor should restart the server",
                   engine.error)
         return 1
     return 0
+
+
+def _serve_http(server: uvicorn.Server, engine: AsyncEngine) -> None:
+    """The HTTP thread: uvicorn's event loop, with one torch thread, so that whatever small tensor work a request
+    does here never starts a second OpenMP team beside the engine's (see async_engine's docstring)."""
+    torch.set_num_threads(1)
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn exits when it cannot listen (the port is taken); in a thread that is silent
+        server.exit_code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        log.exception("the HTTP server failed")
+        server.exit_code = 1
+    finally:
+        engine.stop()  # the server is gone (also if it failed to start): the main thread stops stepping
 
 
 class _GracefulServer(uvicorn.Server):
@@ -94,6 +117,7 @@ class _GracefulServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: ServerState, grace: float):
         super().__init__(config)
         self.state, self.grace = state, grace
+        self.exit_code = 0  # non-zero: the server itself failed (e.g. it could not listen)
 
     def handle_exit(self, sig, frame) -> None:
         # Not super(): uvicorn would re-raise the signal after shutting down, and the process would die of it
