@@ -153,7 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                              enable_graphs=not args.no_graphs, self_check=args.self_check,
                              enable_prefix_caching=not args.no_prefix_caching, ops=args.ops, seed=args.seed,
                              quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
-                             enable_expert_parallel=args.enable_expert_parallel)
+                             enable_expert_parallel=args.enable_expert_parallel, serving=True)
     if _worker_rank(engine_args):
         exit_now()
     if args.api_key is not None and not args.api_key.strip():
@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per engine step (default: 2048 on a CPU, up to 8192 on a GPU)")
+                   help="token budget per engine step (default: 1024 on a CPU, up to 8192 on a GPU)")
     p.add_argument("--max-waiting", type=int, default=1024,
                    help="sequences (n x prompts) queued past which requests get 429")
     p.add_argument("--max-n", type=int, default=128, help="most choices (n) one request may ask for (OpenAI's limit)")

@@ -149,3 +149,18 @@ def test_a_port_already_taken_exits_non_zero_with_the_reason(long_model):
                             port=taken.getsockname()[1])
         assert srv.proc.wait(180) == 3
     assert "address already in use" in srv.logs().lower()
+
+
+def test_the_server_prefills_a_long_prompt_in_steps_of_at_most_1024_tokens(long_model):
+    """resin run's CPU step budget (CPU_SERVING_BATCHED_TOKENS): a 3000-token prompt is prefilled in three steps of
+    at most 1024 tokens (offline LLM() keeps 2048); --max-num-batched-tokens overrides it."""
+    srv = ServerProcess(str(long_model), "--served-model-name", "m", "--kv-cache-memory", "32MiB").wait_ready()
+    try:
+        out = srv.client().completions.create(model="m", prompt=[5] * 3000, max_tokens=1)
+        assert out.usage.prompt_tokens == 3000
+        m = srv.metrics()
+        steps = m["resin:step_num_tokens_count"]
+        assert m["resin:step_num_tokens_bucket{le=1024.0}"] == steps  # no step over 1024 tokens
+        assert m["resin:step_num_tokens_sum"] >= 3000 and steps >= 3
+    finally:
+        assert srv.stop() == 0
