@@ -113,11 +113,12 @@ class CheckedModel:
 # prompts of 256 tokens prefill in 1.32 s at 2048 or 4096 a step against 1.76 s at 8192 (built-in model, bf16,
 # 2-core Xeon), and a step that long stalls every running sequence's next token. vLLM-CPU's server default too.
 CPU_BATCHED_TOKENS = 2048
-# The server's: half that. Served side by side (bench/serve_sweep.py, vLLM's client, 256-token prompts, fp32, 2-core
-# Zen 3), 1024 against 2048 cut median time to first token by ~30% at 16 concurrent clients and ~20% at 64, and
-# the p99 inter-token gap at 64 from ~3.5 s to ~1.9 s (running streams wait behind shorter prefill steps), with
-# output tok/s within the runs' noise (+-5%). 512 halves the median TTFT but prefills a lone 4k prompt 11% slower
-# (1024: 1.5%).
+# The server's: half that. Served side by side (bench/serve_sweep.py, vLLM's client, 256-token prompts arriving in a
+# burst, fp32, 2-core Zen 3), 1024 against 2048 cut the median time to first token by ~30% at 16 concurrent
+# clients and ~20% at 64, and the p99 inter-token gap at 64 from ~3.5 s to ~1.9 s, with output tok/s within the
+# runs' noise (+-5%). The price: at 16 the burst's first streams wait behind more (shorter) prefill steps, and more
+# than 1% of their gaps are one such step, so the p99 gap there went from ~0.5 s to ~1.7 s. 512 halves the median
+# TTFT but prefills a lone 4k prompt 11% slower (1024: 1.5%).
 CPU_SERVING_BATCHED_TOKENS = 1024
 
 
