@@ -79,7 +79,7 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
         raise ValueError("--metrics-require-api-key needs an API key (--api-key or $RESIN_API_KEY)")
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not state.engine.alive:
+        if not state.engine.started:  # resin run steps it in the main thread; an embedder gets a thread here
             state.engine.start()
         yield
         state.shutting_down = True
@@ -151,7 +151,7 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
 
     @app.get("/metrics", dependencies=[Depends(check_api_key)] if metrics_need_key else [])
     async def metrics():
-        state.metrics.update_gauges(state.engine.engine)
+        state.metrics.update_gauges(state.engine.engine, waiting=state.engine.num_waiting)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -67,35 +67,53 @@ class AsyncEngine:
         self._submitted = 0  # sequences submitted, not yet taken by the engine thread (changed from both threads)
         self._submitted_lock = threading.Lock()
         self._stop = False
+        self._started = False  # start() or run_in_this_thread() was called: never a second stepping thread
         self._running = False  # the step loop runs (or its thread is about to enter it)
-        self._thread: threading.Thread | None = None  # the background thread start() made, if any
+        self._done = threading.Event()  # the step loop returned
+        self._stepper: threading.Thread | None = None  # the thread that steps (or is about to)
         self.error: BaseException | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def _claim(self, thread: threading.Thread) -> None:
+        if self._started:
+            raise RuntimeError("this AsyncEngine already has a thread stepping it")
+        self._started = self._running = True
+        self._stepper = thread
+
     def start(self) -> None:
         """Step the engine in a background thread (embedding, tests)."""
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="resin-engine", daemon=True)
-        self._thread.start()
+        self._claim(threading.Thread(target=self._run, name="resin-engine", daemon=True))
+        self._stepper.start()
 
     def run_in_this_thread(self, then_start: Callable[[], None] = lambda: None) -> None:
         """Step the engine in the calling thread until stop() or a fatal error (resin run: the main thread).
         `then_start` runs once the engine counts as alive, before the first step: it starts the HTTP thread, whose
         requests wait in the command queue until the loop drains it."""
-        self._running = True
+        self._claim(threading.current_thread())
         try:
             then_start()
         except BaseException:
             self._running = False
+            self._done.set()
             raise
         self._run()
 
     def stop(self) -> None:
+        """End the step loop; from another thread, wait (up to 30 s) until it has returned, so that no step's
+        outputs are handed to an event loop that is closing. A failed engine may be stuck in a collective with a
+        rank that is gone: then wait 1 s only."""
         self._stop = True
         self._wake.set()
-        # a failed engine's thread may be stuck in a collective with a rank that is gone: do not wait for it
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=30 if self.error is None else 1)
+        if self._stepper is not None and self._stepper is not threading.current_thread():
+            self._done.wait(timeout=30 if self.error is None else 1)
+
+    def wait_stopped(self, timeout: float) -> bool:
+        """Whether the step loop has returned within `timeout` seconds."""
+        return self._done.wait(timeout)
 
     def fail(self, error: BaseException) -> None:
         """The engine ended outside its thread (a tensor-parallel rank exited): fail every waiting request and
@@ -165,7 +183,10 @@ class AsyncEngine:
 
     def _to_loop(self, fn: Callable, *args) -> None:
         if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fn, *args)
+            try:
+                self._loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed since the check (the server is gone): nobody is left to tell
+                pass
 
     # ---- the engine thread ------------------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -209,10 +230,16 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - a crashed engine must fail every waiting request, not hang it
-            log.exception("engine thread crashed")
+            self._stop = True
+            interrupted = isinstance(e, (KeyboardInterrupt, SystemExit))
+            if not interrupted:
+                log.exception("engine step loop crashed")
             self.error = e
             self._to_loop(self._dispatch_error, None, EngineDead(f"the engine failed: {e!r}"))
             if self.on_fatal is not None:
                 self.on_fatal(e)
+            if interrupted:  # Ctrl-C in a caller's own thread (run_in_this_thread without handlers) still ends it
+                raise
         finally:
             self._running = False
+            self._done.set()

@@ -79,10 +79,11 @@ class ServerMetrics:
         self._seen = (stats.queried_blocks, stats.hit_blocks)
         self.update_gauges(engine)
 
-    def update_gauges(self, engine: LLMEngine) -> None:
-        """Gauges only: safe to call from any thread (the /metrics handler refreshes them)."""
+    def update_gauges(self, engine: LLMEngine, waiting: int | None = None) -> None:
+        """Gauges only: safe to call from any thread (the /metrics handler refreshes them). waiting: the server's
+        count, which adds the sequences submitted but not yet taken by the step loop to the engine's queue."""
         self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
+        self.waiting.set(engine.num_waiting if waiting is None else waiting)
         self.kv_usage.set(engine.kv.usage)
         self.prefix_hit_rate.set(engine.prefix_cache_stats.hit_rate)
 

@@ -9,6 +9,7 @@ engine thread dies, every in-flight request ends with an error and the process e
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -70,14 +71,16 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
     server = _GracefulServer(config, state, args.shutdown_timeout)
     engine.on_fatal = server.engine_died
     if built.workers is not None:  # a rank that exits fails the engine: unhealthy, then exit 1
-        built.workers.on_death = lambda reason: engine.fail(RuntimeError(reason))
+        built.workers.on_death = lambda reason: _fail_engine(engine, reason)
     http = threading.Thread(target=_serve_http, args=(server, engine), name="resin-http")
-    for sig in (signal.SIGINT, signal.SIGTERM):  # signals reach the main thread, which steps the engine
-        signal.signal(sig, server.handle_exit)
+    # Signals reach the main thread, which steps the engine: handled between steps (a CPU step is at most ~2 s).
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         engine.run_in_this_thread(then_start=http.start)
         http.join()
     finally:
+        for sig, handler in previous.items():  # Ctrl-C interrupts the shutdown below again
+            signal.signal(sig, handler)
         if engine.error is None:
             shutdown_engine(built)
         elif built.workers is not None:
@@ -91,14 +94,25 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
     return 0
 
 
+def _fail_engine(engine: AsyncEngine, reason: str, grace: float = 10.0) -> None:
+    """A tensor-parallel rank died: fail every request now; if the main thread is still stuck in a collective with
+    the dead rank after `grace` seconds (a GPU one can wait minutes for its timeout), exit 1 without it."""
+    engine.fail(RuntimeError(reason))
+    if not engine.wait_stopped(grace):
+        log.error("the engine's step did not return %.0fs after a rank died; exiting with status 1", grace)
+        os._exit(1)
+
+
 def _serve_http(server: uvicorn.Server, engine: AsyncEngine) -> None:
     """The HTTP thread: uvicorn's event loop, with one torch thread, so that whatever small tensor work a request
     does here never starts a second OpenMP team beside the engine's (see async_engine's docstring)."""
     torch.set_num_threads(1)
     try:
         server.run()
+        if not server.started and not server.should_exit:  # older uvicorns return when the app failed to start
+            server.exit_code = 3
     except SystemExit as e:  # uvicorn exits when it cannot listen (the port is taken); in a thread that is silent
-        server.exit_code = e.code if isinstance(e.code, int) else 1
+        server.exit_code = e.code if isinstance(e.code, int) and e.code else 1
     except BaseException:
         log.exception("the HTTP server failed")
         server.exit_code = 1
