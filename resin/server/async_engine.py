@@ -5,9 +5,11 @@ loaded the model, and serves HTTP from another (`run_in_this_thread`): on a CPU 
 then runs on the one OpenMP team the main thread already has. A second thread that runs parallel regions gets a
 team of its own, and once libgomp manages more threads than there are cores its workers stop spinning between
 regions and sleep on a futex, ~70 us per region on a 2-core machine: a batch-1 decode step took 37 ms instead
-of 26. `start()` (a background engine thread) is for embedding and tests. Requests and aborts reach the engine thread through a command queue;
-each step's outputs go back to the event loop in one `call_soon_threadsafe`, so SSE framing and client I/O happen
-there while the next step already runs. New requests join the running batch at the next step.
+of 26. `start()` (a background engine thread) is for embedding and tests.
+
+Requests and aborts reach the step loop through a command queue; each step's outputs go back to the event loop in
+one `call_soon_threadsafe`, so SSE framing and client I/O happen there while the next step already runs. New
+requests join the running batch at the next step.
 
 What a request may cost is bounded here: admission counts sequences (n x prompts) against `max_waiting`, so the
 queue between the threads holds at most that many; outputs arrive as deltas and a consumer that falls behind
