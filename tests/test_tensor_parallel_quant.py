@@ -8,10 +8,26 @@ import torch
 from conftest import save_tiny
 from tp_utils import PROMPTS, greedy_tp2_equals_tp1, run_tp
 from resin import LLM, SamplingParams
+from resin.hal import ParallelGroup, set_parallel
+from resin.models.loader import load_model
 
 pytestmark = pytest.mark.distributed
 if torch.cuda.is_available() and torch.cuda.device_count() < 2:
     pytest.skip(f"requires 2 GPUs (this machine has {torch.cuda.device_count()})", allow_module_level=True)
+
+
+def _rank_modules(path):
+    """(rank, name, module, the whole model's module of that name) for every module of each of two ranks' models,
+    loaded as that rank of a group of two would load them (the split needs only rank and world, no group)."""
+    whole = load_model(path, torch.float32, torch.device("cpu")).model
+    for rank in range(2):
+        set_parallel(ParallelGroup(rank=rank, world=2))
+        try:
+            mine = load_model(path, torch.float32, torch.device("cpu")).model
+        finally:
+            set_parallel(ParallelGroup())
+        for name, m in mine.named_modules():
+            yield rank, name, m, whole.get_submodule(name)
 
 
 @pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
@@ -50,10 +66,8 @@ def test_block_fp8_weights_and_scales_split_on_block_boundaries(tmp_path):
     summation order moves an activation across an fp8 rounding step now and then (a few percent of a logit)."""
     from test_block_fp8 import _block_fp8_checkpoint
 
-    from resin.hal import ParallelGroup, set_parallel
     from resin.hal.fp8 import expand_block_scales
     from resin.models.block_fp8 import BlockFp8Linear, DequantizedWeight
-    from resin.models.loader import load_model
     from resin.models.moe import SparseMoe
 
     save_tiny(tmp_path, "DeepseekV3ForCausalLM", seed=6)
@@ -62,38 +76,30 @@ def test_block_fp8_weights_and_scales_split_on_block_boundaries(tmp_path):
     def dense(w, scale, block):
         return w.float() * expand_block_scales(scale, block, tuple(w.shape))
 
-    whole = load_model(tmp_path, torch.float32, torch.device("cpu")).model
     checked = 0
-    for rank in range(2):
-        set_parallel(ParallelGroup(rank=rank, world=2))
-        try:
-            mine = load_model(tmp_path, torch.float32, torch.device("cpu")).model
-        finally:
-            set_parallel(ParallelGroup())
-        for name, m in mine.named_modules():
-            ref = whole.get_submodule(name)
-            if isinstance(m, BlockFp8Linear):
-                full = dense(ref.weight, ref.weight_scale_inv, ref.block)
-                if m.in_part is not None:
-                    want = full[:, m.in_part[0]:sum(m.in_part)]
-                else:
-                    want = torch.cat([full[ref.offsets[s][0] + start:ref.offsets[s][0] + start + size]
-                                      for s, (start, size) in m.parts.items()])
-                assert torch.equal(dense(m.weight, m.weight_scale_inv, m.block), want), name
-            elif isinstance(m, DequantizedWeight):
-                assert torch.equal(m.weight, ref.weight[m.part[0]:sum(m.part)]), name
-            elif isinstance(m, SparseMoe):
-                start, size = m.inter_part
-                inter = ref.w13.shape[1] // 2
-                for e in range(m.w13.shape[0]):
-                    w13, w2 = dense(ref.w13[e], ref.w13_scale[e], ref.block), dense(ref.w2[e], ref.w2_scale[e],
-                                                                                     ref.block)
-                    want13 = torch.cat((w13[start:start + size], w13[inter + start:inter + start + size]))
-                    assert torch.equal(dense(m.w13[e], m.w13_scale[e], m.block), want13), name
-                    assert torch.equal(dense(m.w2[e], m.w2_scale[e], m.block), w2[:, start:start + size]), name
+    for _, name, m, ref in _rank_modules(tmp_path):
+        if isinstance(m, BlockFp8Linear):
+            full = dense(ref.weight, ref.weight_scale_inv, ref.block)
+            if m.in_part is not None:
+                want = full[:, m.in_part[0]:sum(m.in_part)]
             else:
-                continue
-            checked += 1
+                want = torch.cat([full[ref.offsets[s][0] + start:ref.offsets[s][0] + start + size]
+                                  for s, (start, size) in m.parts.items()])
+            assert torch.equal(dense(m.weight, m.weight_scale_inv, m.block), want), name
+        elif isinstance(m, DequantizedWeight):
+            assert torch.equal(m.weight, ref.weight[m.part[0]:sum(m.part)]), name
+        elif isinstance(m, SparseMoe):
+            start, size = m.inter_part
+            inter = ref.w13.shape[1] // 2
+            for e in range(m.w13.shape[0]):
+                w13, w2 = dense(ref.w13[e], ref.w13_scale[e], ref.block), dense(ref.w2[e], ref.w2_scale[e],
+                                                                                 ref.block)
+                want13 = torch.cat((w13[start:start + size], w13[inter + start:inter + start + size]))
+                assert torch.equal(dense(m.w13[e], m.w13_scale[e], m.block), want13), name
+                assert torch.equal(dense(m.w2[e], m.w2_scale[e], m.block), w2[:, start:start + size]), name
+        else:
+            continue
+        checked += 1
     assert checked > 20
     outs = {}
     for tp in (1, 2):
@@ -118,10 +124,8 @@ def test_packed_gguf_split_over_ranks(tmp_path):
     blocks) is dequantised on load instead. Two real ranks then give TP=1's greedy tokens, logits within 1e-4."""
     from test_gguf_packed import _tiny, write_packed_gguf
 
-    from resin.hal import ParallelGroup, set_parallel
     from resin.hal.quant import dequantize
     from resin.models.layers import RowLinear
-    from resin.models.loader import load_model
     from resin.models.quantized import QuantEmbedding, QuantLinear
 
     path = tmp_path / "model.gguf"
@@ -136,39 +140,31 @@ def test_packed_gguf_split_over_ranks(tmp_path):
             firsts[shard], first = first, first + size
         return firsts
 
-    whole = load_model(path, torch.float32, torch.device("cpu")).model
     kinds: dict[str, int] = {}
     packed_bytes: dict = {}
-    for rank in range(2):
-        set_parallel(ParallelGroup(rank=rank, world=2))
-        try:
-            mine = load_model(path, torch.float32, torch.device("cpu")).model
-        finally:
-            set_parallel(ParallelGroup())
-        for name, m in mine.named_modules():
-            ref = whole.get_submodule(name)
-            if isinstance(m, QuantLinear):
-                full, local = unpack(ref), unpack(m)
-                if m.in_part is not None:
-                    kind, want = "row-split", full[:, m.in_part[0]:sum(m.in_part)]
-                elif m.parts is not None:
-                    kind, starts = "column-split", shard_rows(ref)
-                    want = torch.cat([full[starts[s] + start:starts[s] + start + size]
-                                      for s, (start, size) in m.parts.items()])
-                else:
-                    kind, want = "vocabulary", full[m.vocab_part[0]:sum(m.vocab_part)]
-            elif isinstance(m, QuantEmbedding):
-                kind, local = "embedding", dequantize(m.weight, m.qtype)
-                want = dequantize(ref.weight, ref.qtype)[m.part[0]:sum(m.part)]
-            elif isinstance(m, RowLinear) and name.endswith("o_proj"):
-                kind, local, want = "dequantised row split", m.weight, unpack(ref)[:, m.in_part[0]:sum(m.in_part)]
+    for rank, name, m, ref in _rank_modules(path):
+        if isinstance(m, QuantLinear):
+            full, local = unpack(ref), unpack(m)
+            if m.in_part is not None:
+                kind, want = "row-split", full[:, m.in_part[0]:sum(m.in_part)]
+            elif m.parts is not None:
+                kind, starts = "column-split", shard_rows(ref)
+                want = torch.cat([full[starts[s] + start:starts[s] + start + size]
+                                  for s, (start, size) in m.parts.items()])
             else:
-                continue
-            assert torch.equal(local, want), name
-            kinds[kind] = kinds.get(kind, 0) + 1
-            if kind != "dequantised row split":
-                packed_bytes[rank] = packed_bytes.get(rank, 0) + m.weight.numel()
-                packed_bytes["whole"] = packed_bytes.get("whole", 0) + ref.weight.numel() * (rank == 0)
+                kind, want = "vocabulary", full[m.vocab_part[0]:sum(m.vocab_part)]
+        elif isinstance(m, QuantEmbedding):
+            kind, local = "embedding", dequantize(m.weight, m.qtype)
+            want = dequantize(ref.weight, ref.qtype)[m.part[0]:sum(m.part)]
+        elif isinstance(m, RowLinear) and name.endswith("o_proj"):
+            kind, local, want = "dequantised row split", m.weight, unpack(ref)[:, m.in_part[0]:sum(m.in_part)]
+        else:
+            continue
+        assert torch.equal(local, want), name
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kind != "dequantised row split":
+            packed_bytes[rank] = packed_bytes.get(rank, 0) + m.weight.numel()
+            packed_bytes["whole"] = packed_bytes.get("whole", 0) + ref.weight.numel() * (rank == 0)
     assert set(kinds) == {"row-split", "column-split", "vocabulary", "embedding", "dequantised row split"}, kinds
     assert packed_bytes[0] == packed_bytes[1] == packed_bytes["whole"] / 2  # half of every packed layer a rank
     weight_bytes = greedy_tp2_equals_tp1(path)
