@@ -43,9 +43,9 @@ def test_cpu_selection_table():
         assert sel.table["rms_norm"].skipped == [("cpp", why)]
     assert [p.name for p in sel.table["attention"].chain] == cpp + ["cpu", "native"]
     linear_chain = [p.name for p in sel.table["linear"].chain]
-    gemv = ["cpp"] if cpp_ok and kernels.gemv_dtypes(sel.platform.cpu_flags) else []  # bf16 or fp32 GEMV
+    few_rows = ["cpp"] if cpp_ok and kernels.few_rows_dtypes(sel.platform.cpu_flags) else []  # bf16 / fp32
     onednn_ok, onednn_why = linear.supported(sel.platform)  # fp32 everywhere, bf16 where native
-    assert linear_chain == gemv + (["onednn"] if onednn_ok else []) + ["native"]
+    assert linear_chain == few_rows + (["onednn"] if onednn_ok else []) + ["native"]
     if not onednn_ok:
         assert dict(sel.table["linear"].skipped)["onednn"] == onednn_why
     assert [p.name for p in sel.table["rotary"].chain] == cpp + ["cpu", "native"]

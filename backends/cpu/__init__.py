@@ -3,11 +3,12 @@
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
 against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused norms,
 rotary, silu-and-mul, paged decode attention, bf16 prefill attention on torch's AMX brgemm ukernels, the sampler's
-argmax and random draw, GEMVs for few rows (bf16 on AVX512-BF16, fp32 on AVX2), linear layers and embedding rows over packed GGUF / int8 weights;
-built once per machine), tensor-parallel collectives through shared memory when the ranks share a machine, then
-plain-torch providers that serve when no compiler is present (paged attention split into decode and prefill paths,
-rotary in whole-tensor ops), and bf16 linear through oneDNN with weights reordered once. Latent attention (MLA) has
-a plain-torch provider of the same split (backends/cpu/mla.py).
+argmax and random draw, linear for the few rows of decode (a bf16 GEMV on AVX512-BF16, an fp32 GEMM on AVX2),
+linear layers and embedding rows over packed GGUF / int8 weights; built once per machine), tensor-parallel
+collectives through shared memory when the ranks share a machine, then plain-torch providers that serve when no
+compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor ops), and linear
+through oneDNN (bf16 with weights reordered once). Latent attention (MLA) has a plain-torch provider of the same
+split (backends/cpu/mla.py).
 """
 from resin.backends.cpu import delta_rule, kernels, linear, quant, rotary, shm_collectives
 from resin.backends.cpu.attention import CppAttention, CpuAttention
@@ -23,7 +24,8 @@ from resin.hal.selection import BackendSpec
 ATTENTION.register("cpp", supported=kernels.supported, supports_args=CppAttention.unsupported_reason)(CppAttention)
 ATTENTION.register("cpu", supports_args=CpuAttention.unsupported_reason)(CpuAttention)
 MLA_ATTENTION.register("cpu", supports_args=CpuMla.unsupported_reason)(CpuMla)
-LINEAR.register("cpp", supported=kernels.gemv_supported, supports_args=kernels.gemv_args)(kernels.gemv)
+LINEAR.register("cpp", supported=kernels.few_rows_supported,
+                supports_args=kernels.few_rows_args)(kernels.few_rows_linear)
 LINEAR.register("onednn", supported=linear.supported, supports_args=linear.supports_args)(linear.onednn_linear)
 RMS_NORM.register("cpp", supported=kernels.supported, supports_args=kernels.norm_args)(kernels.rms_norm)
 FUSED_ADD_RMS_NORM.register("cpp", supported=kernels.supported,

@@ -31,8 +31,8 @@ from resin.hal.registry import derived
 log = logging.getLogger("resin")
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "quant_kernels.cpp", "quant_fma_rows.cpp",
-                                     "prefill_attention.cpp")]
+SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "fp32_linear.cpp", "quant_kernels.cpp",
+                                     "quant_fma_rows.cpp", "prefill_attention.cpp")]
 HEADERS = [_CSRC / "quant_blocks.h", _CSRC / "simd.h"]  # part of the build key: a header's change rebuilds too
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED = "build-failed.txt"  # in the build folder: the first error of a failed build, so later starts skip it
@@ -280,36 +280,39 @@ def gemv_max_rows() -> int:
     return GEMV_MAX_ROWS_AMX if amx_gemm() else GEMV_MAX_ROWS
 
 
-# fp32 rows up to which Resin's GEMV beats oneDNN and MKL (2-core Zen 3, the built-in model's fp32 weights, `python
-# bench/step_profile.py --dtype float32 --quantization none --per-op`: batch 4 steps 37.7 ms against oneDNN's 58.0,
-# batch 8 59.2 against 65.3; MKL's 4-row GEMM read the weights at 5.5 GB/s, its GEMV at 13.6).
-FP32_GEMV_MAX_ROWS = 8
+# fp32 rows up to which Resin's few-row GEMM (csrc/fp32_linear.cpp) beats oneDNN's (MKL's is slower still). 2-core
+# Zen 3, every projection of the built-in model's 30 layers plus its lm_head in turn (540 MB of fp32 weights, so
+# streamed from memory as in a step), medians of 5: oneDNN / this kernel 1.86x at 8 rows, 1.49x at 16, 1.11x at
+# 32, 1.02x at 40, 0.96x at 64; the step at batch 16 fell from ~85 to ~65 ms. Below 8 rows it replaced a GEMV that
+# was 1.1-1.8x slower than it (the batch-1 step reads the weights at ~29 GB/s, the memory's rate).
+FP32_LINEAR_MAX_ROWS = 32
 
 
-def gemv_dtypes(cpu_flags: frozenset[str] | set[str]) -> frozenset[torch.dtype]:
-    """The dtypes Resin's GEMVs cover on a CPU with these flags: bf16 with AVX512-BF16, fp32 with AVX2 + FMA."""
+def few_rows_dtypes(cpu_flags: frozenset[str] | set[str]) -> frozenset[torch.dtype]:
+    """The dtypes Resin's few-row linear covers on a CPU with these flags: bf16 with AVX512-BF16 (a GEMV), fp32
+    with AVX2 + FMA (a few-row GEMM)."""
     return frozenset(({torch.bfloat16} if "avx512_bf16" in cpu_flags else set()) |
                      ({torch.float32} if {"avx2", "fma"} <= cpu_flags else set()))
 
 
 @cache
-def _gemv_dtypes() -> frozenset[torch.dtype]:
+def _few_rows_dtypes() -> frozenset[torch.dtype]:
     from resin.hal.platform import cpu_platform
 
-    return gemv_dtypes(cpu_platform().cpu_flags)
+    return few_rows_dtypes(cpu_platform().cpu_flags)
 
 
-def gemv_supported(platform: Platform) -> tuple[bool, str]:
-    if not gemv_dtypes(platform.cpu_flags):
-        return False, "Resin's GEMVs need AVX512-BF16 (bf16) or AVX2 + FMA (fp32)"
+def few_rows_supported(platform: Platform) -> tuple[bool, str]:
+    if not few_rows_dtypes(platform.cpu_flags):
+        return False, "Resin's few-row linear needs AVX512-BF16 (bf16) or AVX2 + FMA (fp32)"
     return supported(platform)
 
 
-def gemv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    if x.dtype != weight.dtype or x.dtype not in _gemv_dtypes() or not x.is_cpu or weight.dim() != 2:
-        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in _gemv_dtypes()))
-        return f"x and a 2-D weight of one dtype this CPU's GEMV covers ({names or 'none'}) on the cpu"
-    most = gemv_max_rows() if x.dtype == torch.bfloat16 else FP32_GEMV_MAX_ROWS
+def few_rows_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
+    if x.dtype != weight.dtype or x.dtype not in _few_rows_dtypes() or not x.is_cpu or weight.dim() != 2:
+        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in _few_rows_dtypes()))
+        return f"x and a 2-D weight of one dtype this CPU's few-row linear covers ({names or 'none'}) on the cpu"
+    most = gemv_max_rows() if x.dtype == torch.bfloat16 else FP32_LINEAR_MAX_ROWS
     if x.dim() != 2 or not 1 <= x.shape[0] <= most:
         return f"1 to {most} rows of x (few-row decode; the GEMM is faster beyond)"
     if not weight.is_contiguous() or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
@@ -317,6 +320,6 @@ def gemv_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return None
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     ext = extension()
-    return (ext.bf16_gemv if x.dtype == torch.bfloat16 else ext.fp32_gemv)(x, weight, bias)
+    return (ext.bf16_gemv if x.dtype == torch.bfloat16 else ext.fp32_linear)(x, weight, bias)

@@ -857,74 +857,6 @@ torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, con
 #endif
 }
 
-// fp32 linear for a few rows, on AVX2 + FMA: the same stream of weight rows, 4 at a time, fma with every activation
-// row. MKL's sgemv read the built-in model's fp32 weights at ~13.6 GB/s on a 2-core Zen 3 whose memory gives ~28
-// (and its 4-row GEMM at 5.5), so a batch-1 fp32 step there was mostly waiting on a GEMV that left bandwidth unused.
-#if defined(__AVX2__) && defined(__FMA__)
-template <int MR>
-void gemv_rows_f32(const float* x, int64_t k, const float* w, int64_t r0, int64_t r1, const float* bias, float* out,
-                   int64_t n) {
-  const int64_t full = k / 8 * 8;
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
-    __m256 acc[4][MR];
-    for (int j = 0; j < 4; ++j)
-      for (int i = 0; i < MR; ++i) acc[j][i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < full; c += 8) {
-      __m256 xv[MR];
-      for (int i = 0; i < MR; ++i) xv[i] = _mm256_loadu_ps(x + i * k + c);
-      for (int j = 0; j < 4; ++j) {
-        if (j >= rows) break;
-        const __m256 wv = _mm256_loadu_ps(w + (r + j) * k + c);
-        for (int i = 0; i < MR; ++i) acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
-      }
-    }
-    for (int j = 0; j < rows; ++j)
-      for (int i = 0; i < MR; ++i) {
-        float v = hsum8(acc[j][i]);
-        for (int64_t c = full; c < k; ++c) v += w[(r + j) * k + c] * x[i * k + c];
-        out[i * n + r + j] = v + (bias ? bias[r + j] : 0.f);
-      }
-  }
-}
-#endif
-
-// x (m, K) float32, weight (N, K) float32 contiguous, bias (N,) float32 or none -> (m, N); 1 <= m <= 8. Returns an
-// undefined tensor where this build lacks AVX2 + FMA (the caller's next provider serves).
-torch::Tensor fp32_gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kFloat &&
-                  weight.scalar_type() == at::kFloat && weight.is_contiguous() && x.size(1) == weight.size(1),
-              "fp32_gemv: x (m, K) and weight (N, K) float32, weight contiguous");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "fp32_gemv takes 1 to 8 rows");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == weight.size(0),
-                "bias must be contiguous float32 with one value per output row");
-    b = bias->const_data_ptr<float>();
-  }
-#if defined(__AVX2__) && defined(__FMA__)
-  const torch::Tensor xc = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  auto out = torch::empty({m, n}, x.options());
-  const float* xp = xc.const_data_ptr<float>();
-  const float* wp = weight.const_data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(4 * k, 1) / 4 * 4);
-  at::parallel_for(0, (n + 3) / 4, grain / 4, [&](int64_t g0, int64_t g1) {
-    const int64_t r0 = g0 * 4, r1 = std::min(n, g1 * 4);
-    for (int64_t i = 0; i < m;) {  // activation rows 4, 2 or 1 at a time over the same weight rows
-      const int64_t left = m - i;
-      if (left >= 4) gemv_rows_f32<4>(xp + i * k, k, wp, r0, r1, b, op + i * n, n), i += 4;
-      else if (left >= 2) gemv_rows_f32<2>(xp + i * k, k, wp, r0, r1, b, op + i * n, n), i += 2;
-      else gemv_rows_f32<1>(xp + i * k, k, wp, r0, r1, b, op + i * n, n), i += 1;
-    }
-  });
-  return out;
-#else
-  return torch::Tensor();
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // Greedy choice: the first index of each row's largest value, a NaN counting as largest (torch.argmax's rule).
 // torch's CPU argmax is a scalar loop, 45 us for one 49152-entry row of logits and 0.67 ms for 32 rows; here one
@@ -1051,6 +983,9 @@ at::Tensor quant_matmul_bf16(const at::Tensor& x, const at::Tensor& qweight, con
                              const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
                              bool amx);
 
+// fp32_linear.cpp: fp32 linear for the few rows of a decode step, over the weight as it lies.
+at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+
 // prefill_attention.cpp: causal prefill attention of one sequence on torch's brgemm ukernels (AMX tiles).
 bool flash_prefill_available();
 at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
@@ -1062,7 +997,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "rotary embedding of q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :d]) * x[:, d:]");
   m.def("write_kv", &write_kv, "store new keys and values at their slots of the head-major cache");
-  m.def("fp32_gemv", &fp32_gemv, "fp32 linear for 1-8 rows (AVX2 + FMA)");
+  m.def("fp32_linear", &fp32_linear, "fp32 x @ weight.T + bias for 1-32 rows (AVX2 + FMA)");
   m.def("paged_decode_attention", &paged_decode_attention, "one-query-per-sequence attention over a paged cache");
   m.def("flash_prefill_available", &flash_prefill_available, "whether torch's brgemm packs bf16 here (AMX)");
   m.def("flash_prefill_attention", &flash_prefill_attention,
