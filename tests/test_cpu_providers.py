@@ -57,6 +57,26 @@ def test_onednn_linear_matches_native(shape, out_features, with_bias, dtype):
 
 
 
+def test_fp32_prefill_rows_go_to_mkl():
+    """From MKL_FP32_MIN_ROWS fp32 rows (a prefill chunk) oneDNN declines where torch has MKL, so the HAL's chain
+    hands the call to native (F.linear: MKL's sgemm); below it, and for bf16, oneDNN keeps them."""
+    from resin.backends.cpu import linear
+
+    w = torch.randn(64, 96)
+    most = linear.MKL_FP32_MIN_ROWS
+    assert linear.supports_args(torch.randn(most - 1, 96), w) is None
+    many, batched = torch.randn(most, 96), torch.randn(2, most // 2, 96)
+    for x in (many, batched):
+        reason = linear.supports_args(x, w)
+        assert (reason is not None) == torch.backends.mkl.is_available()
+        if reason is not None:
+            assert "MKL" in reason
+            chain = hal.select_backend("cpu", install=False).table["linear"].chain
+            taker = next(p for p in chain if p.supports_args is None or p.supports_args(x, w) is None)
+            assert taker.name == "native"
+            assert torch.equal(taker.fn(x, w), torch.nn.functional.linear(x, w))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 7])
 @pytest.mark.parametrize("adjacent", [True, False])

@@ -9,7 +9,9 @@ fp32 (beyond the rows the few-row GEMM of backends/cpu/kernels.py takes): F.line
 2-core Zen 3 ran the built-in model's projections at 9-64 rows at 0.4-0.9x oneDNN's speed (its 49152-row lm_head
 at 32 rows 27 ms against 18). There oneDNN takes the plain weight: packing it too gained 2% of a 32-row step (110
 against 113 ms) for twice the weight memory. oneDNN sums in its own order, so fp32 results differ from MKL's
-within fp32 reassociation (the few-row kernels' bound too; tests/test_cpu_providers).
+within fp32 reassociation (the few-row kernels' bound too; tests/test_cpu_providers). From MKL_FP32_MIN_ROWS rows
+(a prefill chunk) the order turns: MKL's sgemm reaches ~95% of the FMA units' peak there and oneDNN does not, so
+this provider declines fp32 with that many rows where torch has MKL and native's F.linear (MKL) serves.
 """
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def supported(platform: Platform) -> tuple[bool, str]:
     return True, ""
 
 
+# fp32 rows from which MKL's GEMM beats oneDNN's: 2-core Zen 3, every projection of the built-in model's 30 layers in
+# turn (fp32 weights from memory), medians of 5: oneDNN / MKL / GFLOP/s at 64 rows 112 / 115, 128: 139 / 138,
+# 256: 151 / 160, 1024: 161 / 176 (the two cores' fma peak, measured: 186). Not measured on other CPUs.
+MKL_FP32_MIN_ROWS = 256
+
+
 @cache
 def _dtypes() -> frozenset[torch.dtype]:
     from resin.hal.platform import cpu_platform
@@ -42,6 +50,8 @@ def supports_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return "onednn linear: fp32, or bf16 where the CPU multiplies it natively (AVX512-BF16 or AMX)"
     if x.device.type != "cpu" or weight.dim() != 2:
         return "onednn linear needs a 2-D weight on the CPU"
+    if x.dtype == torch.float32 and x.numel() >= MKL_FP32_MIN_ROWS * x.shape[-1] and torch.backends.mkl.is_available():
+        return f"fp32 with {MKL_FP32_MIN_ROWS} rows or more: MKL's GEMM (native) is faster there"
     return None
 
 
