@@ -179,28 +179,71 @@ def test_flash_prefill_matches_exact_attention(seq_len, q_len, h, hk, d):
     assert ((got - ref).abs() <= 2.0 ** -8 * (spread + ref.abs())).all()
 
 
+@pytest.mark.parametrize("seq_len,q_len", [(300, 300), (77, 13), (1000, 1000), (2100, 700), (257, 1), (64, 64)])
+@pytest.mark.parametrize("h,hk,d", [(9, 3, 64), (8, 8, 64), (8, 2, 128), (10, 5, 48)])
+def test_flash_prefill_f32_matches_exact_attention(seq_len, q_len, h, hk, d):
+    """The AVX2 fp32 prefill kernel, the same cases as the brgemm one (and D = 48: three 16-column panels), against
+    causal attention in float64 over the same fp32 values. Its error is fp32 rounding only: each score's dot
+    product over D terms (at most D eps32 scale sum |q k|, which scales that key's weight by e^err), and the
+    softmax and P.V sums over at most seq_len terms in another order; so |got - ref| <= (2 max err + (seq_len + D)
+    eps32) (weighted mean of |V| + |ref|). A mis-masked key or a wrong tile moves outputs by far more."""
+    if not kernels.flash_prefill_f32():
+        pytest.skip("requires AVX2 + FMA: fp32 prefill stays on SDPA here")
+    bs, g = 16, torch.Generator().manual_seed(torch.seed() % 2**31)
+    nblk = -(-seq_len // bs)
+    cache = torch.randn(2, hk, nblk + 7, bs, d, generator=g)
+    table = torch.randperm(nblk + 7, generator=g)[:nblk].to(torch.int32)
+    q = torch.randn(q_len, h * d, generator=g)
+    got = kernels.extension().flash_prefill_attention_f32(q, cache, table, seq_len, h, d ** -0.5).double()
+    kv = cache.double()[:, :, table.long()].flatten(2, 3)[:, :, :seq_len]  # (2, Hk, seq_len, D)
+    keys, values = kv[0].repeat_interleave(h // hk, 0), kv[1].repeat_interleave(h // hk, 0)
+    qh = q.double().view(q_len, h, d).transpose(0, 1)
+    visible = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+    probs = (qh @ keys.transpose(1, 2) * d ** -0.5).masked_fill(~visible, float("-inf")).softmax(-1)
+    ref = (probs @ values).transpose(0, 1).reshape(q_len, h * d)
+    spread = (probs @ values.abs()).transpose(0, 1).reshape(q_len, h * d)
+    eps = 2.0 ** -23
+    score_err = d * eps * d ** -0.5 * (qh.abs() @ keys.abs().transpose(1, 2)).amax(-1)  # (H, q_len)
+    rel = 2 * score_err.transpose(0, 1).repeat_interleave(d, 1) + (seq_len + d) * eps
+    assert ((got - ref).abs() <= rel * (spread + ref.abs())).all()
+
+
+def _require_flash_prefill(dtype: torch.dtype) -> str:
+    """The C++ prefill kernel the provider uses for this dtype here, or a skip."""
+    if dtype == torch.bfloat16:
+        _require_brgemm_bf16()
+        return "flash_prefill_attention"
+    if not kernels.flash_prefill_f32():
+        pytest.skip("requires AVX2 + FMA: fp32 prefill stays on SDPA here")
+    return "flash_prefill_attention_f32"
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1.6e-2), (torch.float32, 2e-6)])
 @pytest.mark.parametrize("shapes", [[(300, 300), (9, 1), (700, 200)], [(13, 13), (1000, 1), (640, 128)]])
-def test_cpp_attention_prefill_on_the_flash_kernel(monkeypatch, shapes):
-    """The provider sends each bf16 prefill chunk to the brgemm kernel (fresh prompts and chunks after a prefix,
-    beside decode rows), and agrees with native to test_cpp_attention_matches_native's bf16 tolerance."""
+def test_cpp_attention_prefill_on_the_flash_kernel(monkeypatch, dtype, tol, shapes):
+    """The provider sends each prefill chunk to the C++ kernel of its dtype (fresh prompts and chunks after a
+    prefix, beside decode rows), and agrees with native to test_cpp_attention_matches_native's tolerance."""
     import resin.backends.cpu.attention as attention
 
-    _require_brgemm_bf16()
+    name = _require_flash_prefill(dtype)
     real, chunks = kernels.extension(), []
 
     class Recording:
-        def __getattr__(self, name):
-            return getattr(real, name)
+        def __getattr__(self, attr):
+            fn = getattr(real, attr)
+            if attr != name:
+                return fn
 
-        def flash_prefill_attention(self, q, *args):
-            chunks.append(q.shape[0])
-            return real.flash_prefill_attention(q, *args)
+            def recorded(q, *args):
+                chunks.append(q.shape[0])
+                return fn(q, *args)
+            return recorded
 
     monkeypatch.setattr(attention, "extension", Recording)
     layer = hal.AttentionLayer(9, 3, 64, scale=64 ** -0.5)
-    ref, got = head_major_outputs(CppAttention, layer, shapes, torch.bfloat16, block_size=16, num_blocks=256)
+    ref, got = head_major_outputs(CppAttention, layer, shapes, dtype, block_size=16, num_blocks=256)
     assert sorted(chunks) == sorted(q for _, q in shapes if q > 1)
-    assert (got - ref).abs().max().item() <= 1.6e-2
+    assert (got.float() - ref.float()).abs().max().item() <= tol
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])

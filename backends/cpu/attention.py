@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from resin.backends.cpu.kernels import brgemm_bf16, extension
+from resin.backends.cpu.kernels import brgemm_bf16, extension, flash_prefill_f32
 from resin.hal.attention import AttentionBackend, AttentionLayer, AttentionMetadata
 
 
@@ -192,7 +192,7 @@ class CppAttention(CpuAttention):
     prefill chunks without a sliding window go to the brgemm flash kernel where torch's ukernels have AMX tiles
     (csrc/prefill_attention.cpp: the query heads of a KV head stacked as one GEMM's rows, K/V packed once per
     call, a chunk after cached context in one pass; `python bench/attention_paths.py --prefill` times it against
-    SDPA); other prefills stay on SDPA."""
+    SDPA), fp32 ones to its AVX2 counterpart (csrc/prefill_attention_f32.cpp); other prefills stay on SDPA."""
 
     @classmethod
     def unsupported_reason(cls, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
@@ -217,11 +217,15 @@ class CppAttention(CpuAttention):
         extension().write_kv(kv_cache, k, v, slots)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer, p: _Prefill) -> torch.Tensor:
-        if (q.dtype != torch.bfloat16 or layer.sliding_window is not None or layer.head_size % 64
-                or not brgemm_bf16()):
+        if layer.sliding_window is not None or q.dtype != kv_cache.dtype:
             return super()._prefill(q, kv_cache, layer, p)
-        out = extension().flash_prefill_attention(q.reshape(p.q_len, -1), kv_cache, p.blocks, p.seq_len,
-                                                  layer.num_heads, layer.scale)
+        if q.dtype == torch.bfloat16 and layer.head_size % 64 == 0 and brgemm_bf16():
+            kernel = extension().flash_prefill_attention
+        elif q.dtype == torch.float32 and layer.head_size % 16 == 0 and flash_prefill_f32():
+            kernel = extension().flash_prefill_attention_f32
+        else:
+            return super()._prefill(q, kv_cache, layer, p)
+        out = kernel(q.reshape(p.q_len, -1), kv_cache, p.blocks, p.seq_len, layer.num_heads, layer.scale)
         return out.view(q.shape)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer) -> torch.Tensor:

@@ -32,7 +32,7 @@ log = logging.getLogger("resin")
 
 _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "fp32_linear.cpp", "quant_kernels.cpp",
-                                     "quant_fma_rows.cpp", "prefill_attention.cpp")]
+                                     "quant_fma_rows.cpp", "prefill_attention.cpp", "prefill_attention_f32.cpp")]
 HEADERS = [_CSRC / "quant_blocks.h", _CSRC / "simd.h"]  # part of the build key: a header's change rebuilds too
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED = "build-failed.txt"  # in the build folder: the first error of a failed build, so later starts skip it
@@ -273,6 +273,12 @@ def brgemm_bf16() -> bool:
     them): the prefill attention kernel and the quantised AMX panels need it; elsewhere SDPA and the other GEMM
     paths serve."""
     return extension().flash_prefill_available()
+
+
+@cache
+def flash_prefill_f32() -> bool:
+    """Whether the fp32 prefill attention kernel is built here (AVX2 + FMA); elsewhere fp32 prefill stays on SDPA."""
+    return extension().flash_prefill_f32_available()
 
 
 @cache

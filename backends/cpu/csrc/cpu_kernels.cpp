@@ -85,27 +85,6 @@ const raw_t<T>* raw_ptr(const torch::Tensor& t) {
   return reinterpret_cast<const raw_t<T>*>(t.const_data_ptr<T>());
 }
 
-// exp(x) for x <= 0 .. 88: 2^n * p(r) with r = x - n ln2 (Cephes' single-precision coefficients, ~1 ulp).
-// Plain arithmetic so that loops over it vectorise; libm's expf does not without -ffast-math. x below -87 gives 0;
-// the clamp at -88 keeps -inf (a masked logit) from reaching the integer conversion, where it is undefined.
-inline float poly_exp(float x) {
-  const float clamped = std::clamp(x, -88.0f, 88.0f);
-  const float n = std::floor(clamped * 1.44269504088896341f + 0.5f);
-  float r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
 // The dtypes every kernel takes; `body` gets a value of the scalar type, as AT_DISPATCH's lambdas get scalar_t.
 template <typename F>
 void dispatch_float(at::ScalarType type, const char* op, F&& body) {
@@ -983,6 +962,11 @@ at::Tensor quant_matmul_bf16(const at::Tensor& x, const at::Tensor& qweight, con
                              const c10::optional<at::Tensor>& scales, const c10::optional<at::Tensor>& bias,
                              bool amx);
 
+// prefill_attention_f32.cpp: the same in fp32 on AVX2 + FMA (register-tiled GEMMs, no AMX).
+bool flash_prefill_f32_available();
+at::Tensor flash_prefill_attention_f32(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                       int64_t seq_len, int64_t num_heads, double scale);
+
 // fp32_linear.cpp: fp32 linear for the few rows of a decode step, over the weight as it lies.
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
@@ -1002,6 +986,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_prefill_available", &flash_prefill_available, "whether torch's brgemm packs bf16 here (AMX)");
   m.def("flash_prefill_attention", &flash_prefill_attention,
         "causal attention of one sequence's chunk over its paged keys and values, bf16, flash style on brgemm");
+  m.def("flash_prefill_f32_available", &flash_prefill_f32_available, "whether this build has AVX2 + FMA");
+  m.def("flash_prefill_attention_f32", &flash_prefill_attention_f32,
+        "causal attention of one sequence's chunk over its paged keys and values, fp32, flash style (AVX2)");
   m.def("bf16_gemv", &bf16_gemv, "x @ weight.T + bias in bf16 for 1-4 rows, weights streamed once");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as largest)");
   m.def("random_sample", &random_sample, "one draw per row from softmax(logits) at a uniform (inverse CDF)");
