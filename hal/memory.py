@@ -2,9 +2,11 @@
 
 A CPU decode step streams every weight and, at long contexts, every cached key and value once. On 4 KiB pages
 each block of the paged KV cache (4 KiB at 16 tokens x 64 x fp32) is a page of its own, lying anywhere, and a
-weight matrix spans hundreds of pages: a TLB miss per page that the prefetchers cannot run past. On a 2-core
-Zen 3 an 8k-token fp32 decode step of the built-in model took 40-43 ms with 4 KiB pages and 38-40 ms with its
-weights and cache on huge pages (attention 15.8-16.8 -> 14.6-15.2 ms, linear 20.0-21.2 -> 19.3-19.8 ms).
+weight matrix spans hundreds of pages: a TLB miss per page that the prefetchers cannot run past. Measured, the
+gain is small: on a 2-core Zen 4 VM an 8k-token fp32 decode step of the built-in model read 37.2-38.0 ms with huge
+pages and 34.7-42.7 ms without (two runs each, interleaved), within that machine's noise. (An earlier "40-43 ->
+38-40 ms" on a Zen 3 was noise too: the buffers were then shared anonymous mappings, which Linux backs with shmem,
+and those never got huge pages.)
 
 Linux's THP must be `always` or `madvise` (the usual default); with `never`, or off Linux, buffers are plain. Only
 whole 2 MiB stretches are advised, so a buffer's ragged tail stays on small pages and costs no extra memory.
@@ -55,8 +57,10 @@ def empty_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
         return torch.empty(shape, dtype=dtype, device="cpu")
     # A fresh anonymous mapping, never touched: malloc may hand back heap memory already on small pages (glibc
     # serves blocks up to 32 MiB from its heap once such blocks were freed), where the advice would only wait for
-    # khugepaged. The tensor holds the mapping (frombuffer keeps its buffer alive).
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE)
+    # khugepaged. Private: Python's default for mmap(-1) is a shared mapping, which Linux backs with shmem, whose
+    # huge pages follow shmem_enabled (`never` by default) and ignore the advice; such a buffer stayed on 4 KiB
+    # pages. The tensor holds the mapping (frombuffer keeps its buffer alive).
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = torch.frombuffer(mapping, dtype=torch.uint8)
     offset = -base.data_ptr() % HUGE_PAGE
     region = base[offset:offset + nbytes]

@@ -10,18 +10,28 @@ from resin.hal import memory
 pytestmark = pytest.mark.unit
 
 
-def _advised(t: torch.Tensor) -> bool:
-    """Whether the mapping that holds t carries the hugepage advice (VmFlags `hg` in /proc/self/smaps)."""
-    address, mapping = t.data_ptr(), None
+def _mapping(t: torch.Tensor) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping that holds t (VmFlags, AnonHugePages, ...)."""
+    address, fields, inside = t.data_ptr(), {}, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                if inside:
+                    return fields
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                mapping = lo <= address < hi
-            elif head == "VmFlags:" and mapping:
-                return "hg" in line.split()[1:]
-    return False
+                inside = lo <= address < hi
+            elif inside:
+                fields[head.rstrip(":")] = line.split(":", 1)[1].strip()
+    return fields
+
+
+def _advised(t: torch.Tensor) -> bool:
+    """Whether t lies in a private mapping with the hugepage advice (VmFlags `hg`, no `sh`: a shared anonymous
+    mapping is shmem, which ignores the advice) that holds huge pages once touched (AnonHugePages)."""
+    fields = _mapping(t)
+    flags = fields.get("VmFlags", "").split()
+    return "hg" in flags and "sh" not in flags and int(fields.get("AnonHugePages", "0 kB").split()[0]) > 0
 
 
 def test_cache_buffer_is_zeroed_aligned_and_advised():

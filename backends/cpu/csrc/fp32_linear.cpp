@@ -71,7 +71,7 @@ void weight_rows(const float* x, int64_t m, const float* w, int64_t k, int64_t n
                  const float* bias, float* out) {
   for (int64_t r = r0; r < r1; r += G) {
     const int64_t rows = std::min<int64_t>(G, r1 - r);
-    const float* ahead = r + G < n ? w + (r + G) * k : nullptr;
+    const float* ahead = r + 2 * G <= n ? w + (r + G) * k : nullptr;  // the next group, when it is whole
     const float* b = bias ? bias + r : nullptr;
     if (rows == G) rows_against<G>(x, m, w + r * k, k, b, out + r, n, ahead);
     else if (rows == 3) rows_against<3>(x, m, w + r * k, k, b, out + r, n, ahead);
