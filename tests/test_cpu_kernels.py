@@ -153,6 +153,26 @@ def _require_brgemm_bf16() -> None:
         pytest.skip("requires a CPU where torch's brgemm ukernels pack bf16 (AMX tiles); prefill stays on SDPA here")
 
 
+def _paged_prefill_case(seq_len: int, q_len: int, h: int, hk: int, d: int, dtype: torch.dtype, kernel: str):
+    """A random paged cache (16-token blocks in random order, spare blocks around them) and a chunk of q_len
+    queries at the end of seq_len tokens, run through the named prefill kernel; with causal attention in float64
+    over the same values: (got, ref, spread = P.|V|, keys, per-head queries), all float64."""
+    bs, g = 16, torch.Generator().manual_seed(torch.seed() % 2**31)
+    nblk = -(-seq_len // bs)
+    cache = torch.randn(2, hk, nblk + 7, bs, d, generator=g).to(dtype)
+    table = torch.randperm(nblk + 7, generator=g)[:nblk].to(torch.int32)
+    q = torch.randn(q_len, h * d, generator=g).to(dtype)
+    got = getattr(kernels.extension(), kernel)(q, cache, table, seq_len, h, d ** -0.5).double()
+    kv = cache.double()[:, :, table.long()].flatten(2, 3)[:, :, :seq_len]  # (2, Hk, seq_len, D)
+    keys, values = kv[0].repeat_interleave(h // hk, 0), kv[1].repeat_interleave(h // hk, 0)
+    qh = q.double().view(q_len, h, d).transpose(0, 1)
+    visible = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
+    probs = (qh @ keys.transpose(1, 2) * d ** -0.5).masked_fill(~visible, float("-inf")).softmax(-1)
+    ref = (probs @ values).transpose(0, 1).reshape(q_len, h * d)
+    spread = (probs @ values.abs()).transpose(0, 1).reshape(q_len, h * d)
+    return got, ref, spread, keys, qh
+
+
 @pytest.mark.parametrize("seq_len,q_len", [(300, 300), (77, 13), (1000, 1000), (2100, 700), (257, 1), (64, 64)])
 @pytest.mark.parametrize("h,hk,d", [(9, 3, 64), (8, 8, 64), (8, 2, 128)])
 def test_flash_prefill_matches_exact_attention(seq_len, q_len, h, hk, d):
@@ -163,19 +183,7 @@ def test_flash_prefill_matches_exact_attention(seq_len, q_len, h, hk, d):
     outputs by far more. Fresh prompts, chunks after cached context (700 after 1400: tiles of 256 keys cut at the
     diagonal), one query, a tile-sized prompt; 1, 3 and 4 query heads per KV head."""
     _require_brgemm_bf16()
-    bs, g = 16, torch.Generator().manual_seed(torch.seed() % 2**31)
-    nblk = -(-seq_len // bs)
-    cache = torch.randn(2, hk, nblk + 7, bs, d, generator=g).to(torch.bfloat16)
-    table = torch.randperm(nblk + 7, generator=g)[:nblk].to(torch.int32)
-    q = torch.randn(q_len, h * d, generator=g).to(torch.bfloat16)
-    got = kernels.extension().flash_prefill_attention(q, cache, table, seq_len, h, d ** -0.5).double()
-    kv = cache.double()[:, :, table.long()].flatten(2, 3)[:, :, :seq_len]  # (2, Hk, seq_len, D)
-    keys, values = kv[0].repeat_interleave(h // hk, 0), kv[1].repeat_interleave(h // hk, 0)
-    qh = q.double().view(q_len, h, d).transpose(0, 1)
-    visible = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-    probs = (qh @ keys.transpose(1, 2) * d ** -0.5).masked_fill(~visible, float("-inf")).softmax(-1)
-    ref = (probs @ values).transpose(0, 1).reshape(q_len, h * d)
-    spread = (probs @ values.abs()).transpose(0, 1).reshape(q_len, h * d)
+    got, ref, spread, _, _ = _paged_prefill_case(seq_len, q_len, h, hk, d, torch.bfloat16, "flash_prefill_attention")
     assert ((got - ref).abs() <= 2.0 ** -8 * (spread + ref.abs())).all()
 
 
@@ -189,19 +197,8 @@ def test_flash_prefill_f32_matches_exact_attention(seq_len, q_len, h, hk, d):
     eps32) (weighted mean of |V| + |ref|). A mis-masked key or a wrong tile moves outputs by far more."""
     if not kernels.flash_prefill_f32():
         pytest.skip("requires AVX2 + FMA: fp32 prefill stays on SDPA here")
-    bs, g = 16, torch.Generator().manual_seed(torch.seed() % 2**31)
-    nblk = -(-seq_len // bs)
-    cache = torch.randn(2, hk, nblk + 7, bs, d, generator=g)
-    table = torch.randperm(nblk + 7, generator=g)[:nblk].to(torch.int32)
-    q = torch.randn(q_len, h * d, generator=g)
-    got = kernels.extension().flash_prefill_attention_f32(q, cache, table, seq_len, h, d ** -0.5).double()
-    kv = cache.double()[:, :, table.long()].flatten(2, 3)[:, :, :seq_len]  # (2, Hk, seq_len, D)
-    keys, values = kv[0].repeat_interleave(h // hk, 0), kv[1].repeat_interleave(h // hk, 0)
-    qh = q.double().view(q_len, h, d).transpose(0, 1)
-    visible = torch.arange(seq_len).unsqueeze(0) <= torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-    probs = (qh @ keys.transpose(1, 2) * d ** -0.5).masked_fill(~visible, float("-inf")).softmax(-1)
-    ref = (probs @ values).transpose(0, 1).reshape(q_len, h * d)
-    spread = (probs @ values.abs()).transpose(0, 1).reshape(q_len, h * d)
+    got, ref, spread, keys, qh = _paged_prefill_case(seq_len, q_len, h, hk, d, torch.float32,
+                                                     "flash_prefill_attention_f32")
     eps = 2.0 ** -23
     score_err = d * eps * d ** -0.5 * (qh.abs() @ keys.abs().transpose(1, 2)).amax(-1)  # (H, q_len)
     rel = 2 * score_err.transpose(0, 1).repeat_interleave(d, 1) + (seq_len + d) * eps
