@@ -78,15 +78,13 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype, device: torc
 
 def move_to_huge_pages(model: torch.nn.Module) -> int:
     """Copy the model's CPU parameters and buffers of 2 MiB or more onto huge pages, in place of the originals
-    (tied weights stay tied: each tensor moves once). Returns the bytes moved."""
+    (tied weights stay tied: parameters() and buffers() name each tensor once). Returns the bytes moved."""
     if not huge_pages_available():
         return 0
-    moved, seen = 0, set()
+    moved = 0
     for t in (*model.parameters(), *model.buffers()):
-        if id(t) in seen or t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE \
-                or not t.is_contiguous():
+        if t.device.type != "cpu" or t.numel() * t.element_size() < HUGE_PAGE or not t.is_contiguous():
             continue
-        seen.add(id(t))
         t.data = empty_on_huge_pages(tuple(t.shape), t.dtype).copy_(t.detach())  # every holder sees the move
         moved += t.numel() * t.element_size()
     return moved

@@ -89,7 +89,7 @@ def test_a_consumer_that_stops_reading_is_aborted_and_its_blocks_freed(llm):
 def test_admission_counts_sequences_not_requests(llm):
     async def main():
         engine = AsyncEngine(llm.engine, max_waiting=10)  # not started: nothing leaves the queue
-        engine._running = True  # noqa: admission only; no thread steps it here
+        engine._started = True  # noqa: admission only; no thread steps it here
         a = engine.submit("a", [(None, [1, 2])], _params(4, n=6))
         with pytest.raises(QueueFull):
             engine.submit("b", [(None, [1, 2]), (None, [3])], _params(4, n=3))

@@ -151,7 +151,7 @@ def create_app(state: ServerState, api_key: str | None = None, max_request_bytes
 
     @app.get("/metrics", dependencies=[Depends(check_api_key)] if metrics_need_key else [])
     async def metrics():
-        state.metrics.update_gauges(state.engine.engine, waiting=state.engine.num_waiting)
+        state.metrics.update_gauges(state.engine)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

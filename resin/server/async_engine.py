@@ -54,13 +54,11 @@ class RequestRejected(StreamError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 1024, stall_timeout: float = 30.0,
                  on_step: Callable[[LLMEngine], None] | None = None,
-                 on_change: Callable[[LLMEngine], None] | None = None,
                  on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
         self.on_step = on_step  # after every step (metrics)
-        self.on_change = on_change  # after aborts outside a step (gauges)
         self.on_fatal = on_fatal  # the engine thread died: the server should end in-flight requests and exit
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -70,7 +68,6 @@ class AsyncEngine:
         self._submitted_lock = threading.Lock()
         self._stop = False
         self._started = False  # start() or run_in_this_thread() was called: never a second stepping thread
-        self._running = False  # the step loop runs (or its thread is about to enter it)
         self._done = threading.Event()  # the step loop returned
         self._stepper: threading.Thread | None = None  # the thread that steps (or is about to)
         self.error: BaseException | None = None
@@ -83,7 +80,7 @@ class AsyncEngine:
     def _claim(self, thread: threading.Thread) -> None:
         if self._started:
             raise RuntimeError("this AsyncEngine already has a thread stepping it")
-        self._started = self._running = True
+        self._started = True
         self._stepper = thread
 
     def start(self) -> None:
@@ -99,7 +96,6 @@ class AsyncEngine:
         try:
             then_start()
         except BaseException:
-            self._running = False
             self._done.set()
             raise
         self._run()
@@ -131,7 +127,7 @@ class AsyncEngine:
 
     @property
     def alive(self) -> bool:
-        return self._running and self.error is None
+        return self._started and not self._done.is_set() and self.error is None  # the step loop runs or is about to
 
     def abort_all(self) -> None:
         """Abort every request now (shutdown past its grace period): each stream ends with finish_reason abort."""
@@ -192,13 +188,10 @@ class AsyncEngine:
 
     # ---- the engine thread ------------------------------------------------------------------------------------
     def _drain(self) -> None:
-        aborted = False
         while True:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                if aborted and self.on_change is not None:
-                    self.on_change(self.engine)
                 return
             if cmd[0] == "add":
                 _, rid, ids, params, prompt = cmd
@@ -210,12 +203,10 @@ class AsyncEngine:
                     with self._submitted_lock:
                         self._submitted -= params.n
             elif cmd[0] == "abort":
-                aborted = True
                 out = self.engine.abort_request(cmd[1])
                 if out is not None:
                     self._to_loop(self._dispatch, [out])
             elif cmd[0] == "abort_all":
-                aborted = True
                 self._to_loop(self._dispatch, self.engine.abort_all())
 
     def _run(self) -> None:
@@ -243,5 +234,4 @@ class AsyncEngine:
             if interrupted:  # Ctrl-C in a caller's own thread (run_in_this_thread without handlers) still ends it
                 raise
         finally:
-            self._running = False
             self._done.set()

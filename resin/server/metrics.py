@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from resin.core.engine import LLMEngine
 from resin.core.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from resin.server.async_engine import AsyncEngine
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 80.0)
@@ -68,24 +72,19 @@ class ServerMetrics:
             self.step_tokens.observe(step.num_tokens)
         self.generation_tokens.inc(step.num_sampled)
         self.preemptions.inc(step.num_preempted)
-        self.on_change(engine)
-
-    def on_change(self, engine: LLMEngine) -> None:
-        """Counters read off the engine's totals, and gauges; called on the engine thread only."""
-        stats = engine.prefix_cache_stats
+        stats = engine.prefix_cache_stats  # counters read off the engine's totals
         queried, hits = self._seen
         self.prefix_queries.inc(stats.queried_blocks - queried)
         self.prefix_hits.inc(stats.hit_blocks - hits)
         self._seen = (stats.queried_blocks, stats.hit_blocks)
-        self.update_gauges(engine)
 
-    def update_gauges(self, engine: LLMEngine, waiting: int | None = None) -> None:
-        """Gauges only: safe to call from any thread (the /metrics handler refreshes them). waiting: the server's
-        count, which adds the sequences submitted but not yet taken by the step loop to the engine's queue."""
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting if waiting is None else waiting)
-        self.kv_usage.set(engine.kv.usage)
-        self.prefix_hit_rate.set(engine.prefix_cache_stats.hit_rate)
+    def update_gauges(self, engine: AsyncEngine) -> None:
+        """The gauges, read off the engine when /metrics is scraped (their only writer, so a scrape never sees a
+        stale step's count). Waiting counts the sequences submitted but not yet taken by the step loop too."""
+        self.running.set(engine.engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        self.kv_usage.set(engine.engine.kv.usage)
+        self.prefix_hit_rate.set(engine.engine.prefix_cache_stats.hit_rate)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

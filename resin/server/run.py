@@ -51,7 +51,7 @@ def serve(engine_args: EngineArgs, args: ServeArgs) -> int:
     name = args.served_model_name or (str(engine_args.model) if engine_args.model else "SmolLM2-135M-Instruct")
     metrics = ServerMetrics(name)
     engine = AsyncEngine(built.engine, max_waiting=args.max_waiting, stall_timeout=args.stall_timeout,
-                         on_step=metrics.on_step, on_change=metrics.on_change)
+                         on_step=metrics.on_step)
     max_len = built.engine.config.max_model_len
     prompts = PromptChecker.for_tokenizer(built.tokenizer, max_len, built.engine.vocab_size, args.max_waiting)
     tool_parser = tool_call_format(built.tokenizer, args.tool_call_parser)
