@@ -221,8 +221,8 @@ class CppAttention(CpuAttention):
             return super()._prefill(q, kv_cache, layer, p)
         if q.dtype == torch.bfloat16 and layer.head_size % 64 == 0 and brgemm_bf16():
             kernel = extension().flash_prefill_attention
-        elif q.dtype == torch.float32 and layer.head_size % 16 == 0 and flash_prefill_f32():
-            kernel = extension().flash_prefill_attention_f32
+        elif q.dtype in (torch.float32, torch.bfloat16) and layer.head_size % 16 == 0 and flash_prefill_f32():
+            kernel = extension().flash_prefill_attention_f32  # computes in fp32; bf16 where there is no AMX
         else:
             return super()._prefill(q, kv_cache, layer, p)
         out = kernel(q.reshape(p.q_len, -1), kv_cache, p.blocks, p.seq_len, layer.num_heads, layer.scale)
