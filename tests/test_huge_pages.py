@@ -2,6 +2,8 @@
 with their values, shapes and weight tying unchanged; plain buffers where the machine has no THP."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,12 +28,24 @@ def _mapping(t: torch.Tensor) -> dict[str, str]:
     return fields
 
 
+def _faults_compact() -> bool:
+    """Whether a first touch of advised memory may compact to find a huge page (THP defrag `always`, `madvise` or
+    `defer+madvise`); with `never` or `defer` it takes small pages when none is free, so holding one is luck."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/defrag").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode and "[defer]" not in mode
+
+
 def _advised(t: torch.Tensor) -> bool:
     """Whether t lies in a private mapping with the hugepage advice (VmFlags `hg`, no `sh`: a shared anonymous
-    mapping is shmem, which ignores the advice) that holds huge pages once touched (AnonHugePages)."""
+    mapping is shmem, which ignores the advice) that holds huge pages once touched (AnonHugePages), where the
+    kernel's defrag setting makes that more than luck."""
     fields = _mapping(t)
     flags = fields.get("VmFlags", "").split()
-    return "hg" in flags and "sh" not in flags and int(fields.get("AnonHugePages", "0 kB").split()[0]) > 0
+    huge = int(fields.get("AnonHugePages", "0 kB").split()[0]) > 0
+    return "hg" in flags and "sh" not in flags and (huge or not _faults_compact())
 
 
 def test_cache_buffer_is_zeroed_aligned_and_advised():

@@ -192,7 +192,8 @@ class CppAttention(CpuAttention):
     prefill chunks without a sliding window go to the brgemm flash kernel where torch's ukernels have AMX tiles
     (csrc/prefill_attention.cpp: the query heads of a KV head stacked as one GEMM's rows, K/V packed once per
     call, a chunk after cached context in one pass; `python bench/attention_paths.py --prefill` times it against
-    SDPA), fp32 ones to its AVX2 counterpart (csrc/prefill_attention_f32.cpp); other prefills stay on SDPA."""
+    SDPA); fp32 ones, and bf16 ones where there is no AMX, to its AVX2 counterpart that computes in fp32
+    (csrc/prefill_attention_f32.cpp); other prefills stay on SDPA."""
 
     @classmethod
     def unsupported_reason(cls, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,
@@ -219,10 +220,12 @@ class CppAttention(CpuAttention):
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, layer: AttentionLayer, p: _Prefill) -> torch.Tensor:
         if layer.sliding_window is not None or q.dtype != kv_cache.dtype:
             return super()._prefill(q, kv_cache, layer, p)
-        if q.dtype == torch.bfloat16 and layer.head_size % 64 == 0 and brgemm_bf16():
+        amx = brgemm_bf16()
+        if q.dtype == torch.bfloat16 and layer.head_size % 64 == 0 and amx:
             kernel = extension().flash_prefill_attention
-        elif q.dtype in (torch.float32, torch.bfloat16) and layer.head_size % 16 == 0 and flash_prefill_f32():
-            kernel = extension().flash_prefill_attention_f32  # computes in fp32; bf16 where there is no AMX
+        elif (q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and not amx)) and layer.head_size % 16 == 0 \
+                and flash_prefill_f32():  # bf16 with AMX but another head size: SDPA, which has oneDNN's AMX paths
+            kernel = extension().flash_prefill_attention_f32
         else:
             return super()._prefill(q, kv_cache, layer, p)
         out = kernel(q.reshape(p.q_len, -1), kv_cache, p.blocks, p.seq_len, layer.num_heads, layer.scale)

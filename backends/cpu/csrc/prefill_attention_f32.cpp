@@ -1,8 +1,8 @@
 // Causal prefill attention of one sequence computed in fp32 on AVX2 + FMA: the counterpart of prefill_attention.cpp
-// (same plan, same work items) for CPUs without AMX: fp32 models (Zen 2/3, pre-AVX512 Intel), and bf16 ones on
-// CPUs with AVX512-BF16 but no AMX (Zen 4/5), whose bf16 SDPA ran a 16 x 256-token prefill of the built-in
-// model at ~46 GFLOP/s, a quarter of the prefill's time. A bf16 q and cache are widened to fp32 as they are
-// copied in (exactly), and the output rounded to bf16 once.
+// (same plan, same work items) for CPUs without AMX: fp32 models, and bf16 ones wherever there is no AMX (on a
+// 2-core Zen 4 with AVX512-BF16, bf16 SDPA ran a 16 x 256-token prefill of the built-in model at ~46 GFLOP/s, a
+// quarter of the prefill's time). A bf16 q and cache are widened to fp32 as they are copied in (exactly), and the
+// output rounded to bf16 once.
 //
 // Why not torch's SDPA: on a 2-core Zen 3 its fp32 flash kernel ran a 1,024-token causal prefill of the built-in
 // model's layers (9 query heads on 3 KV heads, D = 64) at ~85 GFLOP/s of the ~186 the cores' FMA units give, a
@@ -11,8 +11,9 @@
 // shared by every query block, and both products run on one register-tiled kernel (6 rows x 16 columns: 12
 // accumulators, a broadcast per row, two loads per step). A chunk after cached context is one call: query i sits
 // at position seq_len - q_len + i and sees keys up to it.
-// Numerics, as native computes: fp32 products and sums (in another order), an exact online softmax (exp within
-// ~1 ulp: poly_exp), fp32 probabilities, one division at the end; tests/test_cpu_kernels.py compares it with SDPA.
+// Numerics, as native computes fp32: fp32 products and sums (in another order), an exact online softmax (exp
+// within ~1 ulp: poly_exp), fp32 probabilities, one division at the end (for bf16 more exact than torch's flash
+// kernel, which rounds the probabilities to bf16 before P.V); tests/test_cpu_kernels.py compares it with SDPA.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
