@@ -13,7 +13,8 @@
 // at position seq_len - q_len + i and sees keys up to it.
 // Numerics, as native computes fp32: fp32 products and sums (in another order), an exact online softmax (exp
 // within ~1 ulp: poly_exp), fp32 probabilities, one division at the end (for bf16 more exact than torch's flash
-// kernel, which rounds the probabilities to bf16 before P.V); tests/test_cpu_kernels.py compares it with SDPA.
+// kernel, which rounds the probabilities to bf16 before P.V); tests/test_cpu_prefill_attention.py compares it
+// with exact attention.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -134,8 +135,9 @@ at::Tensor flash_prefill_attention_f32(const at::Tensor& q, const at::Tensor& kv
   TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
                   (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "flash_prefill_attention_f32: q and the cache both float32 or both bfloat16");
-  if (q.scalar_type() == at::kBFloat16) return prefill<at::BFloat16>(q, kv_cache, block_table, seq_len, num_heads, scale);
-  return prefill<float>(q, kv_cache, block_table, seq_len, num_heads, scale);
+  return q.scalar_type() == at::kBFloat16
+             ? prefill<at::BFloat16>(q, kv_cache, block_table, seq_len, num_heads, scale)
+             : prefill<float>(q, kv_cache, block_table, seq_len, num_heads, scale);
 }
 
 namespace {
@@ -144,7 +146,8 @@ template <typename T>
 at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table, int64_t seq_len,
                    int64_t num_heads, double scale) {
   TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1 && kv_cache.dim() == 5 && kv_cache.is_contiguous(),
-              "flash_prefill_attention_f32: q (q_len, H*D) with unit stride, a contiguous (2, Hk, blocks, bs, D) cache");
+              "flash_prefill_attention_f32: q (q_len, H*D) with unit stride, a contiguous (2, Hk, blocks, bs, D) "
+              "cache");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous(),
               "flash_prefill_attention_f32: block_table must be contiguous int32");
   const int64_t q_len = q.size(0), kv_heads = kv_cache.size(1), num_blocks = kv_cache.size(2);
