@@ -3,7 +3,8 @@
 Faster CPU providers join the priority lists only after they are measured to beat native (bench/) and tested
 against it (tests/test_cpu_providers.py, tests/test_cpu_kernels.py): first Resin's C++ kernels (`cpp`: fused norms,
 rotary, silu-and-mul, paged decode attention, prefill attention (bf16 on torch's AMX brgemm ukernels; fp32,
-and bf16 without AMX, computed in fp32 on AVX2), the sampler's argmax and random draw, linear for the few rows of decode (a bf16 GEMV on AVX512-BF16, an fp32 GEMM on AVX2),
+and bf16 without AMX, computed in fp32 on AVX2), the sampler's argmax and random draw, linear for the few rows
+of decode (a bf16 GEMV on AVX512-BF16, an fp32 GEMM on AVX2),
 linear layers and embedding rows over packed GGUF / int8 weights; built once per machine), tensor-parallel
 collectives through shared memory when the ranks share a machine, then plain-torch providers that serve when no
 compiler is present (paged attention split into decode and prefill paths, rotary in whole-tensor ops), and linear

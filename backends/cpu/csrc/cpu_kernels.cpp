@@ -988,7 +988,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of one sequence's chunk over its paged keys and values, bf16, flash style on brgemm");
   m.def("flash_prefill_f32_available", &flash_prefill_f32_available, "whether this build has AVX2 + FMA");
   m.def("flash_prefill_attention_f32", &flash_prefill_attention_f32,
-        "causal attention of one sequence's chunk over its paged keys and values, computed in fp32 (fp32 or bf16 in and out), flash style (AVX2)");
+        "causal attention of one sequence's chunk over its paged keys and values, fp32 or bf16 computed in fp32, "
+        "flash style (AVX2)");
   m.def("bf16_gemv", &bf16_gemv, "x @ weight.T + bias in bf16 for 1-4 rows, weights streamed once");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as largest)");
   m.def("random_sample", &random_sample, "one draw per row from softmax(logits) at a uniform (inverse CDF)");

@@ -121,29 +121,6 @@ inline float widen(at::BFloat16 x) { return static_cast<float>(x); }  // exact
 
 template <typename T>
 at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table, int64_t seq_len,
-                   int64_t num_heads, double scale);
-
-}  // namespace
-
-bool flash_prefill_f32_available() { return true; }
-
-// q (q_len, H*D) float32 or bfloat16: one sequence's chunk of queries, the tail of its seq_len tokens, whose keys
-// and values are already in the head-major paged cache (2, Hk, blocks, block_size, D) of q's dtype at the blocks
-// `block_table` lists (int32). Returns (q_len, H*D) in q's dtype. D a multiple of 16.
-at::Tensor flash_prefill_attention_f32(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                                       int64_t seq_len, int64_t num_heads, double scale) {
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
-                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
-              "flash_prefill_attention_f32: q and the cache both float32 or both bfloat16");
-  return q.scalar_type() == at::kBFloat16
-             ? prefill<at::BFloat16>(q, kv_cache, block_table, seq_len, num_heads, scale)
-             : prefill<float>(q, kv_cache, block_table, seq_len, num_heads, scale);
-}
-
-namespace {
-
-template <typename T>
-at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table, int64_t seq_len,
                    int64_t num_heads, double scale) {
   TORCH_CHECK(q.dim() == 2 && q.stride(1) == 1 && kv_cache.dim() == 5 && kv_cache.is_contiguous(),
               "flash_prefill_attention_f32: q (q_len, H*D) with unit stride, a contiguous (2, Hk, blocks, bs, D) "
@@ -251,6 +228,21 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 }
 
 }  // namespace
+
+bool flash_prefill_f32_available() { return true; }
+
+// q (q_len, H*D) float32 or bfloat16: one sequence's chunk of queries, the tail of its seq_len tokens, whose keys
+// and values are already in the head-major paged cache (2, Hk, blocks, block_size, D) of q's dtype at the blocks
+// `block_table` lists (int32). Returns (q_len, H*D) in q's dtype. D a multiple of 16.
+at::Tensor flash_prefill_attention_f32(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                       int64_t seq_len, int64_t num_heads, double scale) {
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "flash_prefill_attention_f32: q and the cache both float32 or both bfloat16");
+  return q.scalar_type() == at::kBFloat16
+             ? prefill<at::BFloat16>(q, kv_cache, block_table, seq_len, num_heads, scale)
+             : prefill<float>(q, kv_cache, block_table, seq_len, num_heads, scale);
+}
 
 #else  // built without AVX2 + FMA: the provider keeps fp32 prefill on SDPA
 
