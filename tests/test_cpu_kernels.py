@@ -148,54 +148,6 @@ def test_cpp_decode_split_across_threads_matches_native(dtype, shapes, window, h
     assert ((got.float() - ref.float()).abs() <= rel * ref.float().abs() + floor).all()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("k", [576, 1536, 100])
-def test_bf16_gemv_matches_native(rows, k):
-    """Fresh random bf16 rows and weights (37 outputs: a partial 4-row group; K = 100: a masked tail), with and
-    without bias. Both multiply exactly and sum in fp32 in their own order, then round once to bf16, so they may
-    sit one bf16 step apart plus fp32 reassociation: 2^-7 |ref| + K eps32 sum |x w|."""
-    from resin.hal.platform import cpu_platform
-
-    ok, why = kernels.few_rows_supported(cpu_platform())
-    if not ok or torch.bfloat16 not in kernels._few_rows_dtypes():
-        pytest.skip(f"requires AVX512-BF16: {why or 'no bf16 GEMV on this CPU'}")
-    x, w, b = torch.randn(rows, k).bfloat16(), torch.randn(37, k).bfloat16(), torch.randn(37).bfloat16()
-    for bias in (None, b):
-        # the kernel takes 1-4 rows; the provider offers it up to gemv_max_rows (1 where oneDNN has AMX tiles)
-        assert (kernels.few_rows_args(x, w, bias) is None) == (rows <= kernels.gemv_max_rows())
-        ref = hal.LINEAR.native(x, w, bias).double()
-        got = kernels.few_rows_linear(x, w, bias)
-        assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
-        bound = 2.0 ** -7 * ref.abs() + k * 2.0 ** -23 * (x.double().abs() @ w.double().abs().T) + 1e-30
-        assert ((got.double() - ref).abs() <= bound).all()
-    assert kernels.few_rows_args(torch.randn(5, k).bfloat16(), w) is not None  # 5 rows: oneDNN's GEMM
-    assert kernels.few_rows_args(x, w.float()) is not None  # mixed dtypes: not this kernel's
-
-
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 32])
-@pytest.mark.parametrize("k", [576, 1536, 100])
-def test_fp32_linear_matches_native(rows, k):
-    """Fresh random fp32 rows and weights, with and without bias: native's products summed in another order, so
-    within fp32 reassociation, K eps32 sum |x w|. 37, 38 and 39 outputs leave 1, 2 or 3 rows after the kernel's
-    groups of 3 (or 4, for 1-2 activation rows); K = 100 a scalar tail; 3, 5, 13 rows the 3/2/1-row tiles after
-    the 4-row ones. Offered up to FP32_LINEAR_MAX_ROWS; oneDNN's GEMM serves beyond."""
-    from resin.hal.platform import cpu_platform
-
-    ok, why = kernels.few_rows_supported(cpu_platform())
-    if not ok or torch.float32 not in kernels._few_rows_dtypes():
-        pytest.skip(f"requires AVX2 + FMA: {why or 'no fp32 few-row linear on this CPU'}")
-    for n in (37, 38, 39):
-        x, w, b = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
-        for bias in (None, b):
-            assert kernels.few_rows_args(x, w, bias) is None
-            ref = hal.LINEAR.native(x, w, bias).double()
-            got = kernels.few_rows_linear(x, w, bias)
-            assert got.dtype == torch.float32 and got.shape == (rows, n)
-            sums = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
-            assert ((got.double() - ref).abs() <= k * 2.0 ** -23 * sums + 1e-30).all()
-    assert kernels.few_rows_args(torch.randn(kernels.FP32_LINEAR_MAX_ROWS + 1, k), w) is not None
-
-
 @pytest.mark.parametrize("rows, n", [(1, 49152), (5, 37), (33, 1000), (2, 16)])
 def test_argmax_equals_torch(rows, n):
     """Fresh random rows, plus ties (the first wins), -inf rows, a NaN (counts as largest), a maximum in the scalar

@@ -32,7 +32,7 @@ def fake_providers():
 
 
 def test_cpu_selection_table():
-    from resin.backends.cpu import kernels, linear
+    from resin.backends.cpu import cpp_linear, kernels, linear
 
     sel = hal.select_backend("auto", install=False)
     assert sel.platform.kind == "cpu" and sel.backend.name == "cpu"
@@ -43,9 +43,9 @@ def test_cpu_selection_table():
         assert sel.table["rms_norm"].skipped == [("cpp", why)]
     assert [p.name for p in sel.table["attention"].chain] == cpp + ["cpu", "native"]
     linear_chain = [p.name for p in sel.table["linear"].chain]
-    few_rows = ["cpp"] if cpp_ok and kernels.few_rows_dtypes(sel.platform.cpu_flags) else []  # bf16 / fp32
+    cpp_linears = ["cpp"] if cpp_ok and cpp_linear.dtypes(sel.platform.cpu_flags) else []  # bf16 / fp32
     onednn_ok, onednn_why = linear.supported(sel.platform)  # fp32 everywhere, bf16 where native
-    assert linear_chain == few_rows + (["onednn"] if onednn_ok else []) + ["native"]
+    assert linear_chain == cpp_linears + (["onednn"] if onednn_ok else []) + ["native"]
     if not onednn_ok:
         assert dict(sel.table["linear"].skipped)["onednn"] == onednn_why
     assert [p.name for p in sel.table["rotary"].chain] == cpp + ["cpu", "native"]

@@ -1,5 +1,5 @@
 """Resin's C++ CPU kernels (csrc/*.cpp): built once per machine, then providers of the per-layer ops and of
-linear layers over quantised weights.
+linear layers over quantised weights (the plain linear's provider is cpp_linear.py).
 
 The sources are compiled with the machine's C++ compiler through torch.utils.cpp_extension (ninja) on first use
 and cached under the Resin cache folder, keyed by the source, the torch version, the Python ABI, the compiler and
@@ -31,9 +31,10 @@ from resin.hal.registry import derived
 log = logging.getLogger("resin")
 
 _CSRC = Path(__file__).with_name("csrc")
-SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "fp32_linear.cpp", "quant_kernels.cpp",
+SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "fp32_linear.cpp", "bf16_linear.cpp", "quant_kernels.cpp",
                                      "quant_fma_rows.cpp", "prefill_attention.cpp", "prefill_attention_f32.cpp")]
-HEADERS = [_CSRC / "quant_blocks.h", _CSRC / "simd.h"]  # part of the build key: a header's change rebuilds too
+# part of the build key: a header's change rebuilds too
+HEADERS = [_CSRC / "quant_blocks.h", _CSRC / "simd.h", _CSRC / "bf16_panels.h"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED = "build-failed.txt"  # in the build folder: the first error of a failed build, so later starts skip it
 # -fno-trapping-math lets GCC vectorise floor and float selects (it changes no value, only FP exception flags);
@@ -239,14 +240,6 @@ def random_sample(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return extension().random_sample(logits, uniforms)
 
 
-# Rows up to which the GEMV beats oneDNN (bench/step_profile.py --ops linear=onednn, bf16 built-in model, 290 tokens
-# of context). AVX512-BF16 alone (AMD EPYC): 1-row GEMVs at ~1.6x oneDNN's bytes/s, oneDNN's GEMM catches up from a
-# few rows. With AMX (Intel Xeon), oneDNN's tile GEMM wins from 2 rows: batch 4 steps 19.3 ms on oneDNN against
-# 28.2 on the GEMV, batch 1 16.5 against 15.0.
-GEMV_MAX_ROWS = 4
-GEMV_MAX_ROWS_AMX = 1
-
-
 @cache
 def native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). Elsewhere torch's bf16 GEMM is a scalar
@@ -259,7 +252,8 @@ def native_bf16() -> bool:
 @cache
 def amx_gemm() -> bool:
     """Whether torch's bf16 GEMM reaches AMX tiles here (oneDNN usable on a CPU with amx_bf16): it then beats
-    Resin's hand-written bf16 loops from a few rows on (the GEMV here, the quantised panel GEMM in quant.py)."""
+    Resin's hand-written bf16 loops from a few rows on (the panel GEMM of cpp_linear.py, the quantised one of
+    quant.py)."""
     from resin.backends.cpu import linear
     from resin.hal.platform import cpu_platform
 
@@ -280,53 +274,3 @@ def flash_prefill_f32() -> bool:
     """Whether the prefill attention kernel that computes in fp32 is built here (AVX2 + FMA): fp32 prefill, and bf16
     prefill where brgemm_bf16() is not; elsewhere they stay on SDPA."""
     return extension().flash_prefill_f32_available()
-
-
-@cache
-def gemv_max_rows() -> int:
-    return GEMV_MAX_ROWS_AMX if amx_gemm() else GEMV_MAX_ROWS
-
-
-# fp32 rows up to which Resin's few-row GEMM (csrc/fp32_linear.cpp) beats oneDNN's (MKL's is slower still). 2-core
-# Zen 3, every projection of the built-in model's 30 layers plus its lm_head in turn (540 MB of fp32 weights, so
-# streamed from memory as in a step), medians of 5: oneDNN / this kernel 1.86x at 8 rows, 1.49x at 16, 1.11x at
-# 32, 1.02x at 40, 0.96x at 64; the step at batch 16 fell from ~85 to ~65 ms. Below 8 rows it replaced a GEMV that
-# was 1.1-1.8x slower than it (the batch-1 step reads the weights at ~29 GB/s, the memory's rate).
-FP32_LINEAR_MAX_ROWS = 32
-
-
-def few_rows_dtypes(cpu_flags: frozenset[str] | set[str]) -> frozenset[torch.dtype]:
-    """The dtypes Resin's few-row linear covers on a CPU with these flags: bf16 with AVX512-BF16 (a GEMV), fp32
-    with AVX2 + FMA (a few-row GEMM)."""
-    return frozenset(({torch.bfloat16} if "avx512_bf16" in cpu_flags else set()) |
-                     ({torch.float32} if {"avx2", "fma"} <= cpu_flags else set()))
-
-
-@cache
-def _few_rows_dtypes() -> frozenset[torch.dtype]:
-    from resin.hal.platform import cpu_platform
-
-    return few_rows_dtypes(cpu_platform().cpu_flags)
-
-
-def few_rows_supported(platform: Platform) -> tuple[bool, str]:
-    if not few_rows_dtypes(platform.cpu_flags):
-        return False, "Resin's few-row linear needs AVX512-BF16 (bf16) or AVX2 + FMA (fp32)"
-    return supported(platform)
-
-
-def few_rows_args(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> str | None:
-    if x.dtype != weight.dtype or x.dtype not in _few_rows_dtypes() or not x.is_cpu or weight.dim() != 2:
-        names = ", ".join(sorted(str(d).removeprefix("torch.") for d in _few_rows_dtypes()))
-        return f"x and a 2-D weight of one dtype this CPU's few-row linear covers ({names or 'none'}) on the cpu"
-    most = gemv_max_rows() if x.dtype == torch.bfloat16 else FP32_LINEAR_MAX_ROWS
-    if x.dim() != 2 or not 1 <= x.shape[0] <= most:
-        return f"1 to {most} rows of x (few-row decode; the GEMM is faster beyond)"
-    if not weight.is_contiguous() or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous())):
-        return "contiguous weight, bias of x's dtype"
-    return None
-
-
-def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    ext = extension()
-    return (ext.bf16_gemv if x.dtype == torch.bfloat16 else ext.fp32_linear)(x, weight, bias)

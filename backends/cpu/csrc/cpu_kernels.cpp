@@ -762,81 +762,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// bf16 linear for a few rows (batch-1..4 decode): each weight row is streamed once from memory and dotted with
-// every activation row by vdpbf16ps (products exact, fp32 sums), 4 weight rows at a time for independent sums.
-// Over the built-in model's 121 bf16 weights (269 MB, read from memory) this took 12.7 ms against oneDNN's 14.6
-// (21 vs 18 GB/s; software prefetch added nothing); a batch-1 step of a bf16 model is little else than these reads.
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-template <int MR>
-void gemv_rows(const uint16_t* x, int64_t k, const uint16_t* w, int64_t r0, int64_t r1, const uint16_t* bias,
-               uint16_t* out, int64_t n) {
-  const int64_t full = k / 32 * 32;
-  const __mmask32 tail = static_cast<__mmask32>((1ull << (k - full)) - 1);
-  int64_t r = r0;
-  for (; r < r1; r += 4) {
-    const int rows = static_cast<int>(std::min<int64_t>(4, r1 - r));
-    __m512 acc[4][MR];
-    for (int j = 0; j < 4; ++j)
-      for (int i = 0; i < MR; ++i) acc[j][i] = _mm512_setzero_ps();
-    auto step = [&](int64_t c, __mmask32 mask) {
-      __m512bh xv[MR];
-      for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * k + c);
-      for (int j = 0; j < 4; ++j) {
-        if (j >= rows) break;
-        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (r + j) * k + c);
-        for (int i = 0; i < MR; ++i) acc[j][i] = _mm512_dpbf16_ps(acc[j][i], wv, xv[i]);
-      }
-    };
-    for (int64_t c = 0; c < full; c += 32) step(c, ~__mmask32(0));
-    if (full < k) step(full, tail);
-    for (int j = 0; j < rows; ++j)
-      for (int i = 0; i < MR; ++i) {
-        float v = _mm512_reduce_add_ps(acc[j][i]);
-        if (bias) v += Io<c10::BFloat16>::load(bias[r + j]);
-        out[i * n + r + j] = Io<c10::BFloat16>::store(v);
-      }
-  }
-}
-#endif
-
-// x (m, K) bf16, weight (N, K) bf16 contiguous, bias (N,) bf16 or none -> (m, N) bf16; m <= 4. Returns an
-// undefined tensor where the CPU lacks AVX512-BF16 (the caller's next provider serves).
-torch::Tensor bf16_gemv(const torch::Tensor& x, const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.scalar_type() == at::kBFloat16 &&
-                  weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && x.size(1) == weight.size(1),
-              "bf16_gemv: x (m, K) and weight (N, K) bf16, weight contiguous");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 4, "bf16_gemv takes 1 to 4 rows");
-  const uint16_t* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == weight.size(0),
-                "bias must be contiguous bf16 with one value per output row");
-    b = reinterpret_cast<const uint16_t*>(bias->const_data_ptr<c10::BFloat16>());
-  }
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-  const torch::Tensor xc = x.contiguous();
-  const int64_t m = x.size(0), k = x.size(1), n = weight.size(0);
-  auto out = torch::empty({m, n}, x.options());
-  const auto* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.const_data_ptr<c10::BFloat16>());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  // chunks of whole 4-row groups, ~64 KiB of weights each
-  const int64_t grain = std::max<int64_t>(4, (64 << 10) / std::max<int64_t>(2 * k, 1) / 4 * 4);
-  at::parallel_for(0, (n + 3) / 4, grain / 4, [&](int64_t g0, int64_t g1) {
-    const int64_t r0 = g0 * 4, r1 = std::min(n, g1 * 4);
-    switch (m) {
-      case 1: gemv_rows<1>(xp, k, wp, r0, r1, b, op, n); break;
-      case 2: gemv_rows<2>(xp, k, wp, r0, r1, b, op, n); break;
-      case 3: gemv_rows<3>(xp, k, wp, r0, r1, b, op, n); break;
-      default: gemv_rows<4>(xp, k, wp, r0, r1, b, op, n); break;
-    }
-  });
-  return out;
-#else
-  return torch::Tensor();
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------------------
 // Greedy choice: the first index of each row's largest value, a NaN counting as largest (torch.argmax's rule).
 // torch's CPU argmax is a scalar loop, 45 us for one 49152-entry row of logits and 0.67 ms for 32 rows; here one
 // vector pass finds the maximum (and whether a NaN is present) and a second stops at its first occurrence.
@@ -967,6 +892,11 @@ bool flash_prefill_f32_available();
 at::Tensor flash_prefill_attention_f32(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                                        int64_t seq_len, int64_t num_heads, double scale);
 
+// bf16_linear.cpp: bf16 linear over a weight packed once into panels.
+int64_t bf16_panel_width();
+bool bf16_panels_available();
+at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                             const c10::optional<at::Tensor>& bias);
 // fp32_linear.cpp: fp32 linear for the few rows of a decode step, over the weight as it lies.
 at::Tensor fp32_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
 
@@ -990,7 +920,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_prefill_attention_f32", &flash_prefill_attention_f32,
         "causal attention of one sequence's chunk over its paged keys and values, fp32 or bf16 computed in fp32, "
         "flash style (AVX2)");
-  m.def("bf16_gemv", &bf16_gemv, "x @ weight.T + bias in bf16 for 1-4 rows, weights streamed once");
+  m.def("bf16_panel_width", &bf16_panel_width, "output rows per panel of bf16_panel_linear's weight");
+  m.def("bf16_panels_available", &bf16_panels_available, "whether this build has AVX512-BF16");
+  m.def("bf16_panel_linear", &bf16_panel_linear, "bf16 x @ weight.T + bias over a weight packed into panels");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum (NaN counts as largest)");
   m.def("random_sample", &random_sample, "one draw per row from softmax(logits) at a uniform (inverse CDF)");
   m.def("quant_matmul", &quant_matmul, "x @ dequantize(qweight).T * scales + bias, weights unpacked row by row");

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include "quant_blocks.h"
+#include "bf16_panels.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -592,44 +593,6 @@ void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t r0, int6
     }
 }
 
-// out[t][r0 .. r0 + valid) = x[t] . panel rows + bias, for MR activation rows.
-template <int MR>
-void panel_rows(const uint32_t* panel, int64_t k, const uint16_t* x, const float* bias, int64_t r0, int valid,
-                c10::BFloat16* out, int64_t n) {
-  __m512 acc[2][MR];
-  for (int t = 0; t < MR; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k / 2; ++p) {
-    const __m512bh w0 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kPanel));
-    const __m512bh w1 = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kPanel + 16));
-    for (int t = 0; t < MR; ++t) {
-      int32_t pair;
-      std::memcpy(&pair, x + t * k + 2 * p, sizeof(pair));
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      acc[0][t] = _mm512_dpbf16_ps(acc[0][t], w0, xv);
-      acc[1][t] = _mm512_dpbf16_ps(acc[1][t], w1, xv);
-    }
-  }
-  for (int h = 0; h < 2; ++h) {
-    const int lanes = std::max(0, std::min(16, valid - 16 * h));
-    if (lanes == 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + r0 + 16 * h) : _mm512_setzero_ps();
-    for (int t = 0; t < MR; ++t) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[h][t], b));
-      _mm256_mask_storeu_epi16(out + t * n + r0 + 16 * h, mask, reinterpret_cast<__m256i>(y));
-    }
-  }
-}
-
-template <int MR>
-void panel_rows_upto(int mr, const uint32_t* panel, int64_t k, const uint16_t* x, const float* bias, int64_t r0,
-                     int valid, c10::BFloat16* out, int64_t n) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return panel_rows_upto<MR - 1>(mr, panel, k, x, bias, r0, valid, out, n);
-  }
-  panel_rows<MR>(panel, k, x, bias, r0, valid, out, n);
-}
-
 template <class F>
 void bf16_rows_kernel(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t n,
                       const float* scales, const float* bias, c10::BFloat16* out) {
@@ -641,10 +604,7 @@ void bf16_rows_kernel(const uint16_t* x, int64_t m, int64_t k, const uint8_t* w,
       const int64_t r0 = q * kPanel;
       pack_panel<F>(w, row_bytes, n, r0, k, scales, f.data(), rows.data(), panel.data());
       const int valid = static_cast<int>(std::min<int64_t>(kPanel, n - r0));
-      for (int64_t i = 0; i < m; i += kRowsBlock) {
-        const int mr = static_cast<int>(std::min<int64_t>(kRowsBlock, m - i));
-        panel_rows_upto<kRowsBlock>(mr, panel.data(), k, x + i * k, bias, r0, valid, out + i * n, n);
-      }
+      resin_panels::panel_rows<kPanel / 16, kRowsBlock>(panel.data(), m, k, x, bias, r0, valid, out, n);
     }
   });
 }

@@ -1,0 +1,69 @@
+// bf16 linear over weights packed once into panels (bf16_panels.h), for every row count on CPUs with AVX512-BF16
+// and no AMX, and for batch-1 decode where oneDNN has AMX tiles (backends/cpu/kernels.py decides).
+//
+// Why: oneDNN's avx512_bf16 GEMM over its own prepacked weight was slow for the few rows of decode (2-core Zen 4,
+// every projection of the built-in model's 30 layers in turn, weights from memory, bench/linear_rows.py:
+// 1.6-3x slower at 1-8 rows, 1.3x at 32), and the row-major GEMV this replaced read the weights at half the
+// memory's rate (each output row a separate stream). Here each panel is one sequential stream read once per
+// call, and its products are what oneDNN's are (vdpbf16ps: exact products, fp32 sums), in another order.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "bf16_panels.h"
+
+namespace {
+constexpr int kVectors = 3;             // 16-lane vectors of output rows per panel: 48 rows
+constexpr int kRowsPerTile = 8;         // activation rows per register tile: 24 sums in registers
+constexpr int64_t kRowsPerPass = 256;   // activation rows that pass over each panel before the next (in L2)
+}  // namespace
+
+int64_t bf16_panel_width() { return 16 * kVectors; }
+
+bool bf16_panels_available() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x (m, K) bf16 contiguous; panels (ceil(N / W), K / 2, W) int32 (backends/cpu/kernels.py packs them: W =
+// bf16_panel_width(), rows past N zero); bias (N,) bf16 or none -> (m, N) bf16.
+at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                             const c10::optional<at::Tensor>& bias) {
+  const int64_t width = bf16_panel_width();
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "bf16_panel_linear: x must be a contiguous (m, K) bf16 matrix");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kInt && panels.is_contiguous() &&
+                  panels.size(2) == width && panels.size(1) * 2 == x.size(1) && n > (panels.size(0) - 1) * width &&
+                  n <= panels.size(0) * width,
+              "bf16_panel_linear: panels must be (ceil(N / ", width, "), K / 2, ", width, ") int32 for x's K");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n),
+              "bf16_panel_linear: bias must be bf16 with one value per output");
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const int64_t m = x.size(0), k = x.size(1), count = panels.size(0);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
+  const auto* wp = reinterpret_cast<const uint32_t*>(panels.const_data_ptr<int32_t>());
+  auto* op = out.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < m; i += kRowsPerPass) {
+    const int64_t rows = std::min(kRowsPerPass, m - i);
+    at::parallel_for(0, count, 1, [&](int64_t q0, int64_t q1) {
+      for (int64_t q = q0; q < q1; ++q) {
+        const int valid = static_cast<int>(std::min(width, n - q * width));
+        resin_panels::panel_rows<kVectors, kRowsPerTile>(wp + q * (k / 2) * width, rows, k, xp + i * k, bp,
+                                                         q * width, valid, op + i * n, n);
+      }
+    });
+  }
+  return out;
+#else
+  return at::Tensor();
+#endif
+}

@@ -1,0 +1,75 @@
+// A bf16 GEMM microkernel over weights laid out in panels, shared by the bf16 linear (bf16_linear.cpp: panels
+// packed once per weight) and the batched quantised linear (quant_kernels.cpp: panels unpacked per call).
+//
+// A panel holds 16 * NV consecutive output rows (weight rows) of the (N, K) weight as K/2 pairs:
+// panel[p * 16 NV + j] = weights 2p and 2p + 1 of output row r0 + j, one 32-bit word. One vdpbf16ps then multiplies
+// a pair of an activation row (broadcast to every lane) with 16 output rows' pairs, exactly, summing in fp32 per
+// output lane: no horizontal reductions, outputs stored 16 at a time, and the whole panel is one sequential stream
+// (the hardware prefetcher keeps a memory-bound batch-1 pass at the memory's rate).
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "simd.h"  // immintrin.h
+
+namespace resin_panels {
+
+// out[t][r0 .. r0 + valid) = x[t] . (output rows of the panel) + bias, for MR activation rows x[t] = x + t * k:
+// NV x MR sums in registers, rounded to bf16 once.
+template <int NV, int MR>
+inline void tile(const uint32_t* panel, int64_t k, const uint16_t* x, const float* bias, int64_t r0, int valid,
+                 c10::BFloat16* out, int64_t n) {
+  constexpr int kWidth = 16 * NV;
+  __m512 acc[NV][MR];
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < MR; ++t) acc[v][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512bh w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kWidth + 16 * v));
+    for (int t = 0; t < MR; ++t) {
+      int32_t pair;
+      std::memcpy(&pair, x + t * k + 2 * p, sizeof(pair));
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int v = 0; v < NV; ++v) acc[v][t] = _mm512_dpbf16_ps(acc[v][t], w[v], xv);
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int lanes = std::max(0, std::min(16, valid - 16 * v));
+    if (lanes == 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + r0 + 16 * v) : _mm512_setzero_ps();
+    for (int t = 0; t < MR; ++t) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[v][t], b));
+      _mm256_mask_storeu_epi16(out + t * n + r0 + 16 * v, mask, reinterpret_cast<__m256i>(y));
+    }
+  }
+}
+
+// The same for mr <= MR activation rows (the last block of a batch).
+template <int NV, int MR>
+inline void tile_upto(int mr, const uint32_t* panel, int64_t k, const uint16_t* x, const float* bias, int64_t r0,
+                      int valid, c10::BFloat16* out, int64_t n) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return tile_upto<NV, MR - 1>(mr, panel, k, x, bias, r0, valid, out, n);
+  }
+  tile<NV, MR>(panel, k, x, bias, r0, valid, out, n);
+}
+
+// Every one of m activation rows (x (m, K), out (m, N) row-major) against one panel of output rows r0 ..: the
+// panel stays in L1/L2 while the rows pass over it, MR at a time.
+template <int NV, int MR>
+inline void panel_rows(const uint32_t* panel, int64_t m, int64_t k, const uint16_t* x, const float* bias, int64_t r0,
+                       int valid, c10::BFloat16* out, int64_t n) {
+  for (int64_t i = 0; i < m; i += MR) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, m - i));
+    tile_upto<NV, MR>(mr, panel, k, x + i * k, bias, r0, valid, out + i * n, n);
+  }
+}
+
+}  // namespace resin_panels
+#endif
