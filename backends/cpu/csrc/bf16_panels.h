@@ -19,25 +19,32 @@
 
 namespace resin_panels {
 
+// acc[v][t] lane j = x[t] . (output row 16 v + j of the panel) for MR activation rows x[t] = x + t * ldx, over
+// k inputs (k / 2 pairs; stride: words from one pair of the panel to the next, 16 NV for a whole panel).
+template <int NV, int MR>
+inline void dot_pairs(const uint32_t* panel, int64_t stride, int64_t k, const uint16_t* x, int64_t ldx,
+                      __m512 (&acc)[NV][MR]) {
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < MR; ++t) acc[v][t] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512bh w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * stride + 16 * v));
+    for (int t = 0; t < MR; ++t) {
+      int32_t pair;
+      std::memcpy(&pair, x + t * ldx + 2 * p, sizeof(pair));
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int v = 0; v < NV; ++v) acc[v][t] = _mm512_dpbf16_ps(acc[v][t], w[v], xv);
+    }
+  }
+}
+
 // out[t][r0 .. r0 + valid) = x[t] . (output rows of the panel) + bias, for MR activation rows x[t] = x + t * k:
 // NV x MR sums in registers, rounded to bf16 once.
 template <int NV, int MR>
 inline void tile(const uint32_t* panel, int64_t k, const uint16_t* x, const float* bias, int64_t r0, int valid,
                  c10::BFloat16* out, int64_t n) {
-  constexpr int kWidth = 16 * NV;
   __m512 acc[NV][MR];
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < MR; ++t) acc[v][t] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < k / 2; ++p) {
-    __m512bh w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(panel + p * kWidth + 16 * v));
-    for (int t = 0; t < MR; ++t) {
-      int32_t pair;
-      std::memcpy(&pair, x + t * k + 2 * p, sizeof(pair));
-      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
-      for (int v = 0; v < NV; ++v) acc[v][t] = _mm512_dpbf16_ps(acc[v][t], w[v], xv);
-    }
-  }
+  dot_pairs<NV, MR>(panel, 16 * NV, k, x, k, acc);
   for (int v = 0; v < NV; ++v) {
     const int lanes = std::max(0, std::min(16, valid - 16 * v));
     if (lanes == 0) break;
