@@ -34,7 +34,7 @@ _CSRC = Path(__file__).with_name("csrc")
 SOURCES = [_CSRC / name for name in ("cpu_kernels.cpp", "fp32_linear.cpp", "bf16_linear.cpp", "quant_kernels.cpp",
                                      "quant_fma_rows.cpp", "prefill_attention.cpp", "prefill_attention_f32.cpp")]
 # part of the build key: a header's change rebuilds too
-HEADERS = [_CSRC / "quant_blocks.h", _CSRC / "simd.h", _CSRC / "bf16_panels.h"]
+HEADERS = [_CSRC / name for name in ("quant_blocks.h", "simd.h", "bf16_panels.h", "prefill_bf16_tiles.h")]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAILED = "build-failed.txt"  # in the build folder: the first error of a failed build, so later starts skip it
 # -fno-trapping-math lets GCC vectorise floor and float selects (it changes no value, only FP exception flags);

@@ -42,7 +42,7 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
 
 // 2^x on 16 lanes for x <= 0 (scores already in log2 units): 2^round(x) times a degree-4 polynomial of the
 // fraction (Taylor of e^(f ln2), |f| <= 1/2: relative error under 4e-5). Each probability is then rounded to bf16
-// (2^-9) for P.V, so the polynomial's error is lost below that rounding; it costs 4 FMAs where the ~1-ulp
+// (2^-8) for P.V, so the polynomial's error is lost below that rounding; it costs 4 FMAs where the ~1-ulp
 // natural-base exp costs 8, and the exps are what the softmax spends its time on. Lanes below -126 give 0.
 inline __m512 exp2_16(__m512 x) {
   const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));

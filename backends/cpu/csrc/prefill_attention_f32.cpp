@@ -28,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "bf16_panels.h"
+#include "prefill_bf16_tiles.h"
 #include "simd.h"  // immintrin.h, poly_exp
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -93,45 +93,9 @@ void gemm_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_
 }
 
 #if defined(__AVX512BF16__)
-// bf16 q and keys (AVX512-BF16): the scores by vdpbf16ps, twice the products per instruction of the fp32 tile and
-// the same values (a bf16 product is exact in fp32; only the order of the fp32 sums differs). Keys are packed as
-// pairs, panels of 32 keys (bf16_panels.h's layout with keys for output rows): [n / 32][D / 2][32] words.
-constexpr int64_t kKeyPanel = 32;
-constexpr int kScoreRows = 8;
-
-template <int NV, int MR>
-void score_tile(const uint16_t* q, int64_t d, const uint32_t* keys, float* s, int64_t lds) {
-  __m512 acc[NV][MR];
-  resin_panels::dot_pairs<NV, MR>(keys, kKeyPanel, d, q, d, acc);
-  for (int v = 0; v < NV; ++v)
-    for (int t = 0; t < MR; ++t) _mm512_storeu_ps(s + t * lds + 16 * v, acc[v][t]);
-}
-
-template <int NV, int MR>
-void score_tile_upto(int mr, const uint16_t* q, int64_t d, const uint32_t* keys, float* s, int64_t lds) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return score_tile_upto<NV, MR - 1>(mr, q, d, keys, s, lds);
-  }
-  score_tile<NV, MR>(q, d, keys, s, lds);
-}
-
-// scores (rows x n, row stride lds) = q (rows x D bf16) . the first n keys of a packed tile (n a multiple of 16).
-void score_rows_bf16(int64_t rows, const uint16_t* q, int64_t d, const uint32_t* keys, int64_t n, float* s,
-                     int64_t lds) {
-  for (int64_t c = 0; c < n; c += kKeyPanel) {
-    const uint32_t* panel = keys + c / kKeyPanel * kKeyPanel * (d / 2);
-    for (int64_t r = 0; r < rows; r += kScoreRows) {
-      const int mr = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
-      if (n - c >= kKeyPanel)
-        score_tile_upto<2, kScoreRows>(mr, q + r * d, d, panel, s + r * lds + c, lds);
-      else
-        score_tile_upto<1, kScoreRows>(mr, q + r * d, d, panel, s + r * lds + c, lds);
-    }
-  }
-}
-constexpr bool kBf16Scores = true;
+constexpr bool kBf16Products = true;
 #else
-constexpr bool kBf16Scores = false;
+constexpr bool kBf16Products = false;
 #endif
 
 // One row of a score tile (n keys): scale, mask keys from `visible` on, fold in the running max; the
@@ -190,30 +154,31 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
     return cache + (h * head_rows + table[t / block_size] * block_size + t % block_size) * d;
   };
 
-  // Per KV head and key tile: keys for the score product (fp32 panels of 16 keys, each (D, 16); for bf16 scores
-  // pairs in panels of 32 keys, score_rows_bf16's layout) and values as fp32 (keys, D) rows (B of the P.V
-  // product, 16 columns at a time). Zero past the sequence's end (masked).
-  constexpr bool bf16_scores = kBf16Scores && std::is_same_v<T, at::BFloat16>;
-  const int64_t key_words = bf16_scores ? kKBlock * d / 2 : kKBlock * d;  // 32-bit words per key tile
-  auto packed_k = at::zeros({kv_heads, kblocks, key_words}, kv_cache.options().dtype(at::kInt));
-  auto packed_v = at::zeros({kv_heads, kblocks, kKBlock * d}, kv_cache.options().dtype(at::kFloat));
-  auto* pk = reinterpret_cast<uint32_t*>(packed_k.data_ptr<int32_t>());
-  float* pv = packed_v.data_ptr<float>();
+  // Per KV head and key tile, the B operands of the two products: keys as fp32 panels of 16 keys, each (D, 16),
+  // and values as fp32 (keys, D) rows (16 columns at a time); or, for bf16 products, both as pairs of bf16 in
+  // prefill_bf16_tiles.h's layouts. Zero past the sequence's end (masked).
+  constexpr bool bf16 = kBf16Products && std::is_same_v<T, at::BFloat16>;
+  const int64_t tile_words = bf16 ? kKBlock * d / 2 : kKBlock * d;  // 32-bit words per key or value tile
+  auto packed = at::zeros({2, kv_heads, kblocks, tile_words}, kv_cache.options().dtype(at::kInt));
+  auto* pk = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
+  uint32_t* pv = pk + kv_heads * kblocks * tile_words;
   at::parallel_for(0, kv_heads * kblocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t first = item % kblocks * kKBlock;
       const int64_t n = std::min(kKBlock, seq_len - first);
       for (int64_t t = 0; t < n; ++t) {
         const T* src = row(item / kblocks, first + t);
-        if constexpr (bf16_scores) {
+#if defined(__AVX512BF16__)
+        if constexpr (bf16) {
           const auto* bits = reinterpret_cast<const uint16_t*>(src);
-          uint32_t* panel = pk + item * key_words + t / 32 * 32 * (d / 2) + t % 32;
-          for (int64_t c = 0; c < d / 2; ++c) panel[c * 32] = bits[2 * c] | uint32_t{bits[2 * c + 1]} << 16;
-        } else {
-          float* panel = reinterpret_cast<float*>(pk + item * key_words) + t / kNR * kNR * d + t % kNR;
-          for (int64_t c = 0; c < d; ++c) panel[c * kNR] = widen(src[c]);
+          prefill_bf16::pack_key(bits, d, t, pk + item * tile_words);
+          prefill_bf16::pack_value(bits + plane, d, t, pv + item * tile_words);
+          continue;
         }
-        float* value = pv + (item * kKBlock + t) * d;
+#endif
+        float* panel = reinterpret_cast<float*>(pk + item * tile_words) + t / kNR * kNR * d + t % kNR;
+        for (int64_t c = 0; c < d; ++c) panel[c * kNR] = widen(src[c]);
+        float* value = reinterpret_cast<float*>(pv + item * tile_words) + t * d;
         for (int64_t c = 0; c < d; ++c) value[c] = widen(src[plane + c]);
       }
     }
@@ -232,9 +197,10 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
     const int64_t rows_max = group * kQBlock;
-    std::vector<float> qbuf(bf16_scores ? 0 : rows_max * d), scores(rows_max * kKBlock), acc(rows_max * d),
-        mx(rows_max), sum(rows_max);
-    std::vector<uint16_t> qbits(bf16_scores ? rows_max * d : 0);  // the bf16 rows as they are, for bf16 scores
+    std::vector<float> qbuf(bf16 ? 0 : rows_max * d), scores(rows_max * kKBlock), acc(rows_max * d), mx(rows_max),
+        sum(rows_max);
+    // bf16 products: the query rows as they are, and the probabilities rounded to bf16
+    std::vector<uint16_t> qbits(bf16 ? rows_max * d : 0), pbits(bf16 ? rows_max * kKBlock : 0);
     for (int64_t item = next++; item < items; item = next++) {
       const int64_t h = item % kv_heads, qb = qblocks - 1 - item / kv_heads;
       const int64_t q0 = qb * kQBlock, nq = std::min(kQBlock, q_len - q0), rows = group * nq;
@@ -242,7 +208,7 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < nq; ++i) {
           const T* src = q_raw + (q0 + i) * q_stride + (h * group + g) * d;
-          if constexpr (bf16_scores)
+          if constexpr (bf16)
             std::memcpy(&qbits[(g * nq + i) * d], src, d * sizeof(uint16_t));
           else
             for (int64_t c = 0; c < d; ++c) qbuf[(g * nq + i) * d + c] = widen(src[c]);
@@ -256,11 +222,12 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         // keys of this tile any query of the block sees, rounded up to whole panels (the rest are zero padding
         // or masked): the diagonal tile of a causal block is cut short instead of computed whole
         const int64_t n = std::min(kKBlock, (last_key + 1 - k0 + kNR - 1) / kNR * kNR);
-        const uint32_t* tile_k = pk + (h * kblocks + j) * key_words;
+        const uint32_t* tile_k = pk + (h * kblocks + j) * tile_words;
+        const uint32_t* tile_v = pv + (h * kblocks + j) * tile_words;
 #if defined(__AVX512BF16__)
-        if constexpr (bf16_scores) score_rows_bf16(rows, qbits.data(), d, tile_k, n, scores.data(), kKBlock);
+        if constexpr (bf16) prefill_bf16::score_rows(rows, qbits.data(), d, tile_k, n, scores.data(), kKBlock);
 #endif
-        if constexpr (!bf16_scores)
+        if constexpr (!bf16)
           for (int64_t c = 0; c < n; c += kNR)
             gemm_rows(rows, qbuf.data(), d, reinterpret_cast<const float*>(tile_k) + c * d, kNR, d,
                       scores.data() + c, kKBlock, false);
@@ -274,10 +241,17 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           mx[r] = row_max;
           if (correction != 1.0f)
             for (int64_t c = 0; c < d; ++c) acc[r * d + c] *= correction;
+#if defined(__AVX512BF16__)
+          if constexpr (bf16) prefill_bf16::round_probabilities(&scores[r * kKBlock], n, &pbits[r * kKBlock]);
+#endif
         }
-        const float* tile_v = pv + (h * kblocks + j) * kKBlock * d;
-        for (int64_t c = 0; c < d; c += kNR)
-          gemm_rows(rows, scores.data(), kKBlock, tile_v + c, d, n, acc.data() + c, d, true);
+#if defined(__AVX512BF16__)
+        if constexpr (bf16) prefill_bf16::value_rows(rows, pbits.data(), kKBlock, tile_v, d, n, acc.data());
+#endif
+        if constexpr (!bf16)
+          for (int64_t c = 0; c < d; c += kNR)
+            gemm_rows(rows, scores.data(), kKBlock, reinterpret_cast<const float*>(tile_v) + c, d, n,
+                      acc.data() + c, d, true);
       }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t i = 0; i < nq; ++i) {

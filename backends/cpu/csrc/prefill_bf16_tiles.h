@@ -1,0 +1,106 @@
+// The two products of prefill_attention_f32.cpp for bf16 q and caches on CPUs with AVX512-BF16: scores (q . k) and
+// P.V by vdpbf16ps over bf16_panels.h's pair layout, twice the products per instruction of the fp32 tile.
+//
+// Numerics: a product of two bf16 values is exact in fp32, so the scores are what the fp32 tile computes, summed
+// in another order. The probabilities are rounded to bf16 (round to nearest even: at most 2^-8 of each weight)
+// for P.V, as torch's CPU flash kernel and Resin's AMX kernel (prefill_attention.cpp) round them; their sum, the
+// softmax's denominator, stays fp32 over the unrounded values, as theirs does.
+#pragma once
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <algorithm>
+#include <cstdint>
+
+#include "bf16_panels.h"
+
+namespace prefill_bf16 {
+
+constexpr int64_t kKeyPanel = 32;  // keys per panel of the score product
+constexpr int kScoreRows = 8;      // query rows per register tile of the score product (2 x 8 sums)
+constexpr int kValueRows = 6;      // rows per register tile of P.V (4 x 6 sums: 64 value columns)
+
+// Key t of a tile, its D bf16 values -> words [t / 32][c][t % 32] = (k[2c], k[2c + 1]): panels of 32 keys.
+inline void pack_key(const uint16_t* k, int64_t d, int64_t t, uint32_t* tile) {
+  uint32_t* panel = tile + t / kKeyPanel * kKeyPanel * (d / 2) + t % kKeyPanel;
+  for (int64_t c = 0; c < d / 2; ++c) panel[c * kKeyPanel] = k[2 * c] | uint32_t{k[2 * c + 1]} << 16;
+}
+
+// Value row t of a tile -> half-words of words [t / 2][c]: (v_t[c], v_t+1[c]), keys paired for P.V.
+inline void pack_value(const uint16_t* v, int64_t d, int64_t t, uint32_t* tile) {
+  auto* half = reinterpret_cast<uint16_t*>(tile + t / 2 * d) + t % 2;
+  for (int64_t c = 0; c < d; ++c) half[2 * c] = v[c];
+}
+
+template <int NV, int MR>
+inline void score_tile(int mr, const uint16_t* q, int64_t d, const uint32_t* keys, float* s, int64_t lds) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return score_tile<NV, MR - 1>(mr, q, d, keys, s, lds);
+  }
+  __m512 acc[NV][MR];
+  resin_panels::dot_pairs<NV, MR>(keys, kKeyPanel, d, q, d, acc);
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < MR; ++t) _mm512_storeu_ps(s + t * lds + 16 * v, acc[v][t]);
+}
+
+// s (rows x n, row stride lds) = q (rows x D bf16) . the first n keys of a packed tile (n a multiple of 16).
+inline void score_rows(int64_t rows, const uint16_t* q, int64_t d, const uint32_t* keys, int64_t n, float* s,
+                       int64_t lds) {
+  for (int64_t c = 0; c < n; c += kKeyPanel) {
+    const uint32_t* panel = keys + c / kKeyPanel * kKeyPanel * (d / 2);
+    for (int64_t r = 0; r < rows; r += kScoreRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kScoreRows, rows - r));
+      if (n - c >= kKeyPanel)
+        score_tile<2, kScoreRows>(mr, q + r * d, d, panel, s + r * lds + c, lds);
+      else
+        score_tile<1, kScoreRows>(mr, q + r * d, d, panel, s + r * lds + c, lds);
+    }
+  }
+}
+
+// p[0 .. n) = bf16(s[0 .. n)), round to nearest even; n a multiple of 16.
+inline void round_probabilities(const float* s, int64_t n, uint16_t* p) {
+  for (int64_t c = 0; c < n; c += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + c),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(s + c))));
+}
+
+template <int NV, int MR>
+inline void value_tile(int mr, const uint16_t* p, int64_t ldp, const uint32_t* values, int64_t d, int64_t n,
+                       float* acc) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return value_tile<NV, MR - 1>(mr, p, ldp, values, d, n, acc);
+  }
+  __m512 sums[NV][MR];
+  resin_panels::dot_pairs<NV, MR>(values, d, n, p, ldp, sums);
+  for (int v = 0; v < NV; ++v)
+    for (int t = 0; t < MR; ++t) {
+      float* dst = acc + t * d + 16 * v;
+      _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), sums[v][t]));
+    }
+}
+
+template <int NV>
+inline void value_columns(int64_t rows, const uint16_t* p, int64_t ldp, const uint32_t* values, int64_t d,
+                          int64_t n, float* acc) {
+  for (int64_t r = 0; r < rows; r += kValueRows) {
+    const int mr = static_cast<int>(std::min<int64_t>(kValueRows, rows - r));
+    value_tile<NV, kValueRows>(mr, p + r * ldp, ldp, values, d, n, acc + r * d);
+  }
+}
+
+// acc (rows x D fp32) += p (rows x n bf16, row stride ldp) . the first n value rows of a packed tile (n even),
+// 64 columns at a time (D a multiple of 16).
+inline void value_rows(int64_t rows, const uint16_t* p, int64_t ldp, const uint32_t* values, int64_t d, int64_t n,
+                       float* acc) {
+  for (int64_t c = 0; c < d; c += 64) {
+    switch (std::min<int64_t>(4, (d - c) / 16)) {
+      case 4: value_columns<4>(rows, p, ldp, values + c, d, n, acc + c); break;
+      case 3: value_columns<3>(rows, p, ldp, values + c, d, n, acc + c); break;
+      case 2: value_columns<2>(rows, p, ldp, values + c, d, n, acc + c); break;
+      default: value_columns<1>(rows, p, ldp, values + c, d, n, acc + c); break;
+    }
+  }
+}
+
+}  // namespace prefill_bf16
+#endif
