@@ -32,12 +32,11 @@ def test_bf16_panel_linear_matches_native(rows, k):
     96 in whole ones (width 48); 3, 9, 17 and 33 rows end in a part-filled register tile (8 rows); 300 rows pass
     over each panel in two blocks (256 + 44); K = 100 is not a multiple of the vector width. Bound: one bf16 step
     plus fp32 reassociation, 2^-7 |ref| + K eps32 sum |x w|."""
-    _require(torch.bfloat16, "AVX512-BF16")
-    most = cpp_linear.max_rows(torch.bfloat16)
+    _require(torch.bfloat16, "AVX512-BF16 without AMX")
     for n in (37, 96, 100):
         x, w, b = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
         for bias in (None, b):
-            assert (cpp_linear.supports_args(x, w, bias) is None) == (most is None or rows <= most)
+            assert cpp_linear.supports_args(x, w, bias) is None
             ref = hal.LINEAR.native(x, w, bias).double()
             got = cpp_linear.cpp_linear(x, w, bias)
             assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
@@ -49,7 +48,7 @@ def test_bf16_panel_linear_matches_native(rows, k):
 def test_bf16_panels_layout_and_declines():
     """The packed panels hold each weight pair where csrc/bf16_panels.h reads it, rows past N zero; the provider
     declines what the kernel cannot take, and the kernel refuses panels of the wrong shape with a message."""
-    _require(torch.bfloat16, "AVX512-BF16")
+    _require(torch.bfloat16, "AVX512-BF16 without AMX")
     width = kernels.extension().bf16_panel_width()
     w = torch.randn(width + 5, 6).bfloat16()
     panels = cpp_linear.pack_panels(w)
@@ -61,6 +60,9 @@ def test_bf16_panels_layout_and_declines():
     assert cpp_linear.supports_args(torch.randn(2, 5).bfloat16(), torch.randn(4, 5).bfloat16()) is not None  # odd K
     assert cpp_linear.supports_args(x, w.float()) is not None  # mixed dtypes
     assert cpp_linear.supports_args(torch.randn(0, 6).bfloat16(), w) is not None  # no rows
+    assert cpp_linear.supports_args(x.unsqueeze(0), w) is not None  # 3-D x: the HAL op passes 2-D rows
+    assert cpp_linear.supports_args(x, w, torch.randn(width + 5)) is not None  # fp32 bias on bf16
+    assert torch.equal(cpp_linear.cpp_linear(x.t().contiguous().t(), w), cpp_linear.cpp_linear(x, w))  # strided x
     with pytest.raises(RuntimeError, match="panels must be"):
         kernels.extension().bf16_panel_linear(x, panels, 3 * width, None)  # N beyond the panels
 

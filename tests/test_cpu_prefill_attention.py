@@ -1,4 +1,4 @@
-"""Resin's C++ prefill attention kernels (the brgemm one on AMX, the one computing in fp32 on AVX2) against causal
+"""Resin's C++ prefill attention kernels (the brgemm one on AMX, the AVX2 one) against causal
 attention in float64 on fresh random paged caches, and the provider's routing of prefill chunks to them."""
 from __future__ import annotations
 
@@ -58,11 +58,11 @@ def test_flash_prefill_matches_exact_attention(seq_len, q_len, h, hk, d):
 
 
 @pytest.mark.parametrize("seq_len,q_len", [(300, 300), (77, 13), (1000, 1000), (2100, 700), (257, 1), (64, 64)])
-@pytest.mark.parametrize("h,hk,d", [(9, 3, 64), (8, 8, 64), (8, 2, 128), (10, 5, 48)])
+@pytest.mark.parametrize("h,hk,d", [(9, 3, 64), (8, 8, 64), (8, 2, 128), (10, 5, 48), (10, 5, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_prefill_f32_matches_exact_attention(seq_len, q_len, h, hk, d, dtype):
-    """The AVX2 prefill kernel that computes in fp32, the same cases as the brgemm one (and D = 48: three 16-column
-    panels), against causal attention in float64 over the same values. Its error is fp32 rounding: each score's
+    """The AVX2 prefill kernel, the same cases as the brgemm one (and D = 48 and 80: three and five 16-column
+    panels; with bf16 products, P.V over 48 columns, and over 64 then 16), against causal attention in float64 over the same values. Its error is fp32 rounding: each score's
     dot product over D terms (at most D eps32 scale sum |q k|, which scales that key's weight by e^err), and the
     softmax and P.V sums over at most seq_len terms in another order; so |got - ref| <= (2 max err + (seq_len + D)
     eps32) (weighted mean of |V| + |ref|). bf16 in and out adds the output's one rounding, at most 2^-8 of it, and

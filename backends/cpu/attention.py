@@ -192,8 +192,8 @@ class CppAttention(CpuAttention):
     prefill chunks without a sliding window go to the brgemm flash kernel where torch's ukernels have AMX tiles
     (csrc/prefill_attention.cpp: the query heads of a KV head stacked as one GEMM's rows, K/V packed once per
     call, a chunk after cached context in one pass; `python bench/attention_paths.py --prefill` times it against
-    SDPA); fp32 ones, and bf16 ones where there is no AMX, to its AVX2 counterpart that computes in fp32
-    (csrc/prefill_attention_f32.cpp); other prefills stay on SDPA."""
+    SDPA); fp32 ones, and bf16 ones where there is no AMX, to its AVX2 counterpart (csrc/prefill_attention_f32.cpp:
+    fp32 products, or bf16 ones by vdpbf16ps on AVX512-BF16); other prefills stay on SDPA."""
 
     @classmethod
     def unsupported_reason(cls, layers: list[AttentionLayer], block_size: int, dtype: torch.dtype,

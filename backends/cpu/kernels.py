@@ -271,6 +271,6 @@ def brgemm_bf16() -> bool:
 
 @cache
 def flash_prefill_f32() -> bool:
-    """Whether the prefill attention kernel that computes in fp32 is built here (AVX2 + FMA): fp32 prefill, and bf16
-    prefill where brgemm_bf16() is not; elsewhere they stay on SDPA."""
+    """Whether the AVX2 prefill attention kernel is built here (AVX2 + FMA): fp32 prefill, and bf16 prefill where
+    brgemm_bf16() is not (its products in bf16 where the build has AVX512-BF16); elsewhere they stay on SDPA."""
     return extension().flash_prefill_f32_available()

@@ -5,7 +5,7 @@ every call; for the one-row GEMVs of batch-1 decode that reorder dominates (meas
 projection). The reordered weight is made on first use and kept on the weight tensor itself (weight memory
 doubles; the original stays for any other provider and for native). It matched F.linear bit for bit.
 
-fp32 (beyond the rows the few-row GEMM of backends/cpu/kernels.py takes): F.linear is MKL's sgemm, which on a
+fp32 (beyond the rows the few-row GEMM of backends/cpu/cpp_linear.py takes): F.linear is MKL's sgemm, which on a
 2-core Zen 3 ran the built-in model's projections at 9-64 rows at 0.4-0.9x oneDNN's speed (its 49152-row lm_head
 at 32 rows 27 ms against 18). There oneDNN takes the plain weight: packing it too gained 2% of a 32-row step (110
 against 113 ms) for twice the weight memory. oneDNN sums in its own order, so fp32 results differ from MKL's

@@ -1,10 +1,11 @@
 // bf16 linear over weights packed once into panels (bf16_panels.h), for every row count on CPUs with AVX512-BF16
-// and no AMX, and for batch-1 decode where oneDNN has AMX tiles (backends/cpu/kernels.py decides).
+// and no AMX (backends/cpu/cpp_linear.py decides, and packs the panels).
 //
-// Why: oneDNN's avx512_bf16 GEMM over its own prepacked weight was slow for the few rows of decode (2-core Zen 4,
-// every projection of the built-in model's 30 layers in turn, weights from memory, bench/linear_rows.py:
-// 1.6-3x slower at 1-8 rows, 1.3x at 32), and the row-major GEMV this replaced read the weights at half the
-// memory's rate (each output row a separate stream). Here each panel is one sequential stream read once per
+// Why: oneDNN's avx512_bf16 GEMM over its own prepacked weight is slow for the few rows of decode (2-core Zen 4,
+// every projection of the built-in model's 30 layers and its lm_head in turn, weights from memory,
+// bench/linear_rows.py: this kernel 1.4-1.6x as fast at 1-16 rows, 1.22x at 32, 1.02-1.04x at 512-1,024), and
+// the row-major GEMV this replaced read the weights at ~21 GB/s where this reads ~31 (each output row was a
+// separate stream). Here each panel is one sequential stream read once per
 // call, and its products are what oneDNN's are (vdpbf16ps: exact products, fp32 sums), in another order.
 #include <torch/extension.h>
 
@@ -18,7 +19,7 @@
 namespace {
 constexpr int kVectors = 3;             // 16-lane vectors of output rows per panel: 48 rows
 constexpr int kRowsPerTile = 8;         // activation rows per register tile: 24 sums in registers
-constexpr int64_t kRowsPerPass = 256;   // activation rows that pass over each panel before the next (in L2)
+constexpr int64_t kRowsPerPass = 256;   // activation rows that pass over each panel before the next
 }  // namespace
 
 int64_t bf16_panel_width() { return 16 * kVectors; }
@@ -31,7 +32,7 @@ bool bf16_panels_available() {
 #endif
 }
 
-// x (m, K) bf16 contiguous; panels (ceil(N / W), K / 2, W) int32 (backends/cpu/kernels.py packs them: W =
+// x (m, K) bf16 contiguous; panels (ceil(N / W), K / 2, W) int32 (backends/cpu/cpp_linear.py packs them: W =
 // bf16_panel_width(), rows past N zero); bias (N,) bf16 or none -> (m, N) bf16.
 at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                              const c10::optional<at::Tensor>& bias) {
@@ -52,18 +53,19 @@ at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels, int6
   const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint32_t*>(panels.const_data_ptr<int32_t>());
   auto* op = out.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < m; i += kRowsPerPass) {
-    const int64_t rows = std::min(kRowsPerPass, m - i);
-    at::parallel_for(0, count, 1, [&](int64_t q0, int64_t q1) {
-      for (int64_t q = q0; q < q1; ++q) {
-        const int valid = static_cast<int>(std::min(width, n - q * width));
-        resin_panels::panel_rows<kVectors, kRowsPerTile>(wp + q * (k / 2) * width, rows, k, xp + i * k, bp,
-                                                         q * width, valid, op + i * n, n);
-      }
-    });
-  }
+  // Work items (block of rows, panel), panels inner: a thread's items share a block of rows, and a projection
+  // with fewer panels than threads still splits over rows on a many-core machine.
+  const int64_t blocks = (m + kRowsPerPass - 1) / kRowsPerPass;
+  at::parallel_for(0, blocks * count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / count * kRowsPerPass, q = item % count;
+      const int valid = static_cast<int>(std::min(width, n - q * width));
+      resin_panels::panel_rows<kVectors, kRowsPerTile>(wp + q * (k / 2) * width, std::min(kRowsPerPass, m - i), k,
+                                                       xp + i * k, bp, q * width, valid, op + i * n, n);
+    }
+  });
   return out;
 #else
-  return at::Tensor();
+  TORCH_CHECK(false, "bf16_panel_linear: this build has no AVX512-BF16 (bf16_panels_available() is false)");
 #endif
 }

@@ -918,7 +918,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of one sequence's chunk over its paged keys and values, bf16, flash style on brgemm");
   m.def("flash_prefill_f32_available", &flash_prefill_f32_available, "whether this build has AVX2 + FMA");
   m.def("flash_prefill_attention_f32", &flash_prefill_attention_f32,
-        "causal attention of one sequence's chunk over its paged keys and values, fp32 or bf16 computed in fp32, "
+        "causal attention of one sequence's chunk over its paged keys and values, fp32, or bf16 (its products by vdpbf16ps on AVX512-BF16), "
         "flash style (AVX2)");
   m.def("bf16_panel_width", &bf16_panel_width, "output rows per panel of bf16_panel_linear's weight");
   m.def("bf16_panels_available", &bf16_panels_available, "whether this build has AVX512-BF16");

@@ -1,9 +1,7 @@
-// Causal prefill attention of one sequence computed in fp32 on AVX2 + FMA: the counterpart of prefill_attention.cpp
-// (same plan, same work items) for CPUs without AMX: fp32 models, and bf16 ones wherever there is no AMX (on a
-// 2-core Zen 4 with AVX512-BF16, bf16 SDPA ran a 16 x 256-token prefill of the built-in model at ~46 GFLOP/s, a
-// quarter of the prefill's time). A bf16 cache's values are widened to fp32 as they are copied in (exactly), its
-// scores taken by vdpbf16ps where the CPU has AVX512-BF16 (else q and keys are widened too), and the output rounded
-// to bf16 once.
+// Causal prefill attention of one sequence on AVX2 + FMA: the counterpart of prefill_attention.cpp (same plan, same
+// work items) for CPUs without AMX: fp32 models, and bf16 ones wherever there is no AMX (on a 2-core Zen 4 with
+// AVX512-BF16, bf16 SDPA ran a 16 x 256-token prefill of the built-in model at ~46 GFLOP/s, a quarter of the
+// prefill's time).
 //
 // Why not torch's SDPA: on a 2-core Zen 3 its fp32 flash kernel ran a 1,024-token causal prefill of the built-in
 // model's layers (9 query heads on 3 KV heads, D = 64) at ~85 GFLOP/s of the ~186 the cores' FMA units give, a
@@ -12,10 +10,12 @@
 // shared by every query block, and both products run on one register-tiled kernel (6 rows x 16 columns: 12
 // accumulators, a broadcast per row, two loads per step). A chunk after cached context is one call: query i sits
 // at position seq_len - q_len + i and sees keys up to it.
-// Numerics, as native computes fp32: fp32 products and sums (in another order), an exact online softmax (exp
-// within ~1 ulp: poly_exp), fp32 probabilities, one division at the end (for bf16 more exact than torch's flash
-// kernel, which rounds the probabilities to bf16 before P.V); tests/test_cpu_prefill_attention.py compares it
-// with exact attention.
+// Numerics for fp32, as native computes it: fp32 products and sums (in another order), an exact online softmax
+// (exp within ~1 ulp: poly_exp), fp32 probabilities, one division at the end. bf16 where the build has
+// AVX512-BF16: both products by vdpbf16ps (prefill_bf16_tiles.h: 4,096-token prefill of the built-in model,
+// attention 3.78 -> 2.34 s against widening to fp32), the probabilities rounded to bf16 before P.V as torch's
+// flash kernel rounds them; without it, q, keys and values widened to fp32 (exactly) and the fp32 path above.
+// The output is rounded to bf16 once. tests/test_cpu_prefill_attention.py compares both with exact attention.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -92,11 +92,6 @@ void gemm_rows(int64_t rows, const float* a, int64_t lda, const float* b, int64_
   }
 }
 
-#if defined(__AVX512BF16__)
-constexpr bool kBf16Products = true;
-#else
-constexpr bool kBf16Products = false;
-#endif
 
 // One row of a score tile (n keys): scale, mask keys from `visible` on, fold in the running max; the
 // probabilities exp(s - max) replace the scores. Returns the new max and sets *block_sum to their sum. The
@@ -157,7 +152,7 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   // Per KV head and key tile, the B operands of the two products: keys as fp32 panels of 16 keys, each (D, 16),
   // and values as fp32 (keys, D) rows (16 columns at a time); or, for bf16 products, both as pairs of bf16 in
   // prefill_bf16_tiles.h's layouts. Zero past the sequence's end (masked).
-  constexpr bool bf16 = kBf16Products && std::is_same_v<T, at::BFloat16>;
+  constexpr bool bf16 = prefill_bf16::kAvailable && std::is_same_v<T, at::BFloat16>;
   const int64_t tile_words = bf16 ? kKBlock * d / 2 : kKBlock * d;  // 32-bit words per key or value tile
   auto packed = at::zeros({2, kv_heads, kblocks, tile_words}, kv_cache.options().dtype(at::kInt));
   auto* pk = reinterpret_cast<uint32_t*>(packed.data_ptr<int32_t>());
@@ -168,14 +163,12 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
       const int64_t n = std::min(kKBlock, seq_len - first);
       for (int64_t t = 0; t < n; ++t) {
         const T* src = row(item / kblocks, first + t);
-#if defined(__AVX512BF16__)
         if constexpr (bf16) {
           const auto* bits = reinterpret_cast<const uint16_t*>(src);
           prefill_bf16::pack_key(bits, d, t, pk + item * tile_words);
           prefill_bf16::pack_value(bits + plane, d, t, pv + item * tile_words);
           continue;
         }
-#endif
         float* panel = reinterpret_cast<float*>(pk + item * tile_words) + t / kNR * kNR * d + t % kNR;
         for (int64_t c = 0; c < d; ++c) panel[c * kNR] = widen(src[c]);
         float* value = reinterpret_cast<float*>(pv + item * tile_words) + t * d;
@@ -224,9 +217,7 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         const int64_t n = std::min(kKBlock, (last_key + 1 - k0 + kNR - 1) / kNR * kNR);
         const uint32_t* tile_k = pk + (h * kblocks + j) * tile_words;
         const uint32_t* tile_v = pv + (h * kblocks + j) * tile_words;
-#if defined(__AVX512BF16__)
         if constexpr (bf16) prefill_bf16::score_rows(rows, qbits.data(), d, tile_k, n, scores.data(), kKBlock);
-#endif
         if constexpr (!bf16)
           for (int64_t c = 0; c < n; c += kNR)
             gemm_rows(rows, qbuf.data(), d, reinterpret_cast<const float*>(tile_k) + c * d, kNR, d,
@@ -241,13 +232,9 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
           mx[r] = row_max;
           if (correction != 1.0f)
             for (int64_t c = 0; c < d; ++c) acc[r * d + c] *= correction;
-#if defined(__AVX512BF16__)
           if constexpr (bf16) prefill_bf16::round_probabilities(&scores[r * kKBlock], n, &pbits[r * kKBlock]);
-#endif
         }
-#if defined(__AVX512BF16__)
         if constexpr (bf16) prefill_bf16::value_rows(rows, pbits.data(), kKBlock, tile_v, d, n, acc.data());
-#endif
         if constexpr (!bf16)
           for (int64_t c = 0; c < d; c += kNR)
             gemm_rows(rows, scores.data(), kKBlock, reinterpret_cast<const float*>(tile_v) + c, d, n,

@@ -7,13 +7,15 @@
 // softmax's denominator, stays fp32 over the unrounded values, as theirs does.
 #pragma once
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <algorithm>
 #include <cstdint>
 
 #include "bf16_panels.h"
 
 namespace prefill_bf16 {
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kAvailable = true;
 
 constexpr int64_t kKeyPanel = 32;  // keys per panel of the score product
 constexpr int kScoreRows = 8;      // query rows per register tile of the score product (2 x 8 sums)
@@ -102,5 +104,13 @@ inline void value_rows(int64_t rows, const uint16_t* p, int64_t ldp, const uint3
   }
 }
 
-}  // namespace prefill_bf16
+#else  // no AVX512-BF16: kAvailable keeps the callers' `if constexpr` branches from calling these
+constexpr bool kAvailable = false;
+inline void pack_key(const uint16_t*, int64_t, int64_t, uint32_t*) {}
+inline void pack_value(const uint16_t*, int64_t, int64_t, uint32_t*) {}
+inline void score_rows(int64_t, const uint16_t*, int64_t, const uint32_t*, int64_t, float*, int64_t) {}
+inline void round_probabilities(const float*, int64_t, uint16_t*) {}
+inline void value_rows(int64_t, const uint16_t*, int64_t, const uint32_t*, int64_t, int64_t, float*) {}
 #endif
+
+}  // namespace prefill_bf16
