@@ -150,6 +150,9 @@ def main() -> None:
         done = [r for r in modes["batch"] + modes["single"] if "failed" not in r]
         table[key] = {"output_tok_s": median_of(modes["batch"], "output_tok_s"),
                       "decode_tok_s": median_of(modes["single"], "decode_tok_s"),
+                      # every repetition, in run order: the spread behind each median (this VM drifts 10-20%)
+                      "output_tok_s_runs": [r.get("output_tok_s") for r in modes["batch"]],
+                      "decode_tok_s_runs": [r.get("decode_tok_s") for r in modes["single"]],
                       "tokens": next((r["tokens"] for r in modes["batch"] if "failed" not in r), None),
                       # how the engine was configured (vLLM: thread binding, KV space), so a table says it
                       "threads": done[0].get("threads") if done else None,

@@ -65,6 +65,11 @@ def test_bf16_panels_layout_and_declines():
     assert torch.equal(cpp_linear.cpp_linear(x.t().contiguous().t(), w), cpp_linear.cpp_linear(x, w))  # strided x
     with pytest.raises(RuntimeError, match="panels must be"):
         kernels.extension().bf16_panel_linear(x, panels, 3 * width, None)  # N beyond the panels
+    with pytest.raises(RuntimeError, match="bias must be contiguous fp32"):  # the provider passes an fp32 copy
+        kernels.extension().bf16_panel_linear(x, panels, width + 5, torch.randn(width + 5).bfloat16())
+    bias = torch.randn(width + 5).bfloat16()
+    cpp_linear.cpp_linear(x, w, bias)
+    assert bias._resin_derived["fp32"].dtype == torch.float32  # made once, kept on the bias
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13, 32])

@@ -5,10 +5,11 @@ rows, each panel one sequential stream. The panels are made on first use and kep
 oneDNN's reordered copy is (weight memory doubles; the original stays for native and any other provider). 2-core
 Zen 4 (AVX512-BF16, no AMX), every projection of the built-in model's 30 layers and its lm_head in turn, weights
 from memory, against oneDNN over its prepacked weight (`python bench/linear_rows.py`, one run): 1.4-1.6x as fast at
-1-16 rows, 1.22x at 32, 1.09-1.15x at 64-256, 1.02-1.04x at 512-1,024, so it takes every row count. Where oneDNN has AMX tiles its GEMM
-wins from 2 rows (measured on a Xeon against the row-major GEMV the panels replaced: batch 4 steps 19.3 ms on
-oneDNN against 28.2, batch 1 16.5 against 15.0), and panels for batch 1 alone would make a third copy of every
-weight beside oneDNN's, so there bf16 stays on oneDNN (the panels are unmeasured on AMX hardware).
+1-16 rows, 1.22x at 32, 1.09-1.15x at 64-256, 1.02-1.04x at 512-1,024, so it takes every row count. Where
+oneDNN has AMX tiles its GEMM wins from 2 rows (measured on a Xeon against the row-major GEMV the panels replaced:
+batch 4 steps 19.3 ms on oneDNN against 28.2, batch 1 16.5 against 15.0), and panels for batch 1 alone would make
+a third copy of every weight beside oneDNN's, so there bf16 stays on oneDNN (the panels are unmeasured on AMX
+hardware). A bias is added in fp32 before the one rounding; its fp32 copy is made once and kept on the bias.
 
 fp32, on AVX2 + FMA (csrc/fp32_linear.cpp): a few-row GEMM over the weight as it lies. 2-core Zen 3, the same
 weights (540 MB of fp32), medians of 5: oneDNN / this kernel 1.86x at 8 rows, 1.49x at 16, 1.11x at 32, 1.02x at
@@ -80,4 +81,5 @@ def cpp_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     if x.dtype == torch.float32:
         return kernels.extension().fp32_linear(x, weight, bias)
     panels = derived(weight, "bf16_panels", lambda: pack_panels(weight))
-    return kernels.extension().bf16_panel_linear(x.contiguous(), panels, weight.shape[0], bias)
+    bias32 = None if bias is None else derived(bias, "fp32", lambda: bias.detach().float())
+    return kernels.extension().bf16_panel_linear(x.contiguous(), panels, weight.shape[0], bias32)

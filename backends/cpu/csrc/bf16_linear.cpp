@@ -33,7 +33,7 @@ bool bf16_panels_available() {
 }
 
 // x (m, K) bf16 contiguous; panels (ceil(N / W), K / 2, W) int32 (backends/cpu/cpp_linear.py packs them: W =
-// bf16_panel_width(), rows past N zero); bias (N,) bf16 or none -> (m, N) bf16.
+// bf16_panel_width(), rows past N zero); bias (N,) fp32 (added before the one rounding) or none -> (m, N) bf16.
 at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                              const c10::optional<at::Tensor>& bias) {
   const int64_t width = bf16_panel_width();
@@ -43,13 +43,12 @@ at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels, int6
                   panels.size(2) == width && panels.size(1) * 2 == x.size(1) && n > (panels.size(0) - 1) * width &&
                   n <= panels.size(0) * width,
               "bf16_panel_linear: panels must be (ceil(N / ", width, "), K / 2, ", width, ") int32 for x's K");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->numel() == n),
-              "bf16_panel_linear: bias must be bf16 with one value per output");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "bf16_panel_linear: bias must be contiguous fp32 with one value per output");
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   const int64_t m = x.size(0), k = x.size(1), count = panels.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
-  const at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
-  const float* bp = b.defined() ? b.const_data_ptr<float>() : nullptr;
+  const float* bp = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr<c10::BFloat16>());
   const auto* wp = reinterpret_cast<const uint32_t*>(panels.const_data_ptr<int32_t>());
   auto* op = out.data_ptr<c10::BFloat16>();

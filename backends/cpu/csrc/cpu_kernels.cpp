@@ -336,7 +336,8 @@ void write_kv(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tenso
 // Blocks lie anywhere in the cache, so the hardware prefetchers cannot run past a block boundary: without help each
 // block's first rows are misses waiting on memory. Two software distances: kL1Ahead blocks ahead into L1 (the next
 // blocks' rows), kL2Ahead into L2 (enough misses in flight to stream from memory). An item's first kL2Ahead blocks
-// of K and of V are requested into L2 when it starts (prefetch_start), so the V pass starts on cached blocks too.
+// of K and of V are requested into L2 when it starts (prefetch_start), so its V pass starts on cached blocks too
+// where its keys fit in L2 (decode batches; a long single sequence's V start is evicted by its K pass, harmlessly).
 // Measured on a 2-core Zen 4, bf16, 30 layers' caches on huge pages (bench/decode_attention.py's method, old and
 // new builds interleaved in one process): 32 x 132 keys 287 -> 200 us a layer, 32 x 1,000 keys 1,956 -> 1,251, one
 // sequence at 8,000 keys 455 -> 305; with the L1 distance alone (2 blocks, as before) the kernel was latency-bound
@@ -352,8 +353,8 @@ inline void prefetch_block(const R* head, const int32_t* table, int64_t blk, int
 }
 
 // An item's start: its first kL2Ahead blocks of keys first..last-1 in K and in V into L2. Not inlined and opaque
-// to GCC's interprocedural analysis: it deduces that a function doing nothing but prefetches has no effect and
-// deletes its calls (the prefetches inside for_each_block survive because fn has effects).
+// to GCC's interprocedural analysis: GCC 12's pure-const analysis found a function doing nothing but prefetches
+// free of effects and deleted its calls (the prefetches inside for_each_block survive because fn has effects).
 #if defined(__GNUC__) && !defined(__clang__)
 #define RESIN_KEEP_CALL __attribute__((noipa))
 #else
@@ -458,10 +459,11 @@ void decode_item(raw_t<T>* out, const raw_t<T>* q, float scale, const raw_t<T>* 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bf16 on AVX512-BF16 (compiled where -march=native has it): q.k by vdpbf16ps straight from the cached bf16 rows
 // (products exact, fp32 sums), p.v by fp32 FMAs over V rows widened in registers, several heads' accumulators
-// kept in registers across a block. Compute, not memory, bounds this loop (at batch 64 it read ~17 GB/s of KV
-// where the machine streams several times that), so its instruction count is what matters: sixteen keys' dot
-// products are summed by one transpose-and-add tree (sum16) instead of a horizontal reduction each, and a V row is
-// widened once per pass of heads instead of stored widened and read back per head.
+// kept in registers across a block. With its KV in the CPU's caches the loop is compute-bound (32 x 132 keys:
+// ~27 GB/s of KV on a 2-core Zen 4, against ~16 from memory with the prefetches above), so its instruction count
+// matters: sixteen keys' dot products are summed by one transpose-and-add tree (sum16) instead of a horizontal
+// reduction each, and a V row is widened once per pass of heads instead of stored widened and read back per head.
+// (Widening V by shift and mask into an [even, odd] layout, without vpmovzxwd, measured no faster.)
 // One item's keys first..last-1 (all of them, or one part of a split range) for its G query heads, unnormalised:
 // per head mx (the largest score), sum (of exp(score - mx)) and acc (sum of exp(score - mx) * v), fp32.
 
