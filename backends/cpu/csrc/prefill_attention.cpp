@@ -24,6 +24,8 @@
 #if defined(__AVX512F__) && defined(__AVX512BF16__)  // every CPU with AMX tiles has both
 #include <immintrin.h>
 
+#include "prefill_bf16_tiles.h"  // softmax_row
+
 namespace {
 
 using at::native::cpublas::brgemm;
@@ -40,52 +42,6 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
   return f != f ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
 }
 
-// 2^x on 16 lanes for x <= 0 (scores already in log2 units): 2^round(x) times a degree-4 polynomial of the
-// fraction (Taylor of e^(f ln2), |f| <= 1/2: relative error under 4e-5). Each probability is then rounded to bf16
-// (2^-8) for P.V, so the polynomial's error is lost below that rounding; it costs 4 FMAs where the ~1-ulp
-// natural-base exp costs 8, and the exps are what the softmax spends its time on. Lanes below -126 give 0.
-inline __m512 exp2_16(__m512 x) {
-  const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
-  const __m512 n = _mm512_roundscale_ps(clamped, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(clamped, n);
-  __m512 p = _mm512_set1_ps(9.6181291e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_GE_OQ);
-  return _mm512_maskz_scalef_ps(live, p, n);
-}
-
-inline void store_bf16x16(uint16_t* dst, __m512 v) {  // round to nearest even, as torch's casts
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
-
-// One row of a score tile (n keys, a multiple of 16): scale (into log2 units: `scale` includes log2(e)), mask keys
-// from `visible` on, fold into the running max; probabilities to p as bf16; returns the new max and sets *block_sum
-// to the row's sum of exps (before the bf16 rounding, as torch's flash kernel sums them).
-inline float softmax_row(float* s, int64_t n, int64_t visible, float scale, float running_max, uint16_t* p,
-                         float* block_sum) {
-  __m512 m = _mm512_set1_ps(running_max);
-  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t c = 0; c < n; c += 16) {
-    const int64_t left = visible - c;
-    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-    const __m512 v = _mm512_mask_mul_ps(neg_inf, mask, _mm512_loadu_ps(s + c), _mm512_set1_ps(scale));
-    _mm512_storeu_ps(s + c, v);
-    m = _mm512_max_ps(m, v);
-  }
-  const float row_max = _mm512_reduce_max_ps(m);
-  const __m512 mx = _mm512_set1_ps(row_max);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t c = 0; c < n; c += 16) {
-    const __m512 e = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(s + c), mx));
-    total = _mm512_add_ps(total, e);
-    store_bf16x16(p + c, e);
-  }
-  *block_sum = _mm512_reduce_add_ps(total);
-  return row_max;
-}
 }  // namespace
 
 bool flash_prefill_available() { return at::native::cpublas::could_pack(at::kBFloat16); }  // AMX
@@ -193,7 +149,7 @@ at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
           float* s = &scores[r * kKBlock];
           const int64_t visible = masked ? std::min<int64_t>(n, offset + q0 + r % nq - k0 + 1) : n;
           float block_sum;
-          const float row_max = softmax_row(s, n, visible, log2_scale, mx[r], &pbuf[r * kKBlock], &block_sum);
+          const float row_max = prefill_bf16::softmax_row(s, n, visible, log2_scale, mx[r], &pbuf[r * kKBlock], &block_sum);
           const float correction = std::exp2(mx[r] - row_max);  // maxima in log2 units
           sum[r] = sum[r] * correction + block_sum;
           mx[r] = row_max;

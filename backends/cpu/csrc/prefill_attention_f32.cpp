@@ -13,8 +13,8 @@
 // Numerics for fp32, as native computes it: fp32 products and sums (in another order), an exact online softmax
 // (exp within ~1 ulp: poly_exp), fp32 probabilities, one division at the end. bf16 where the build has
 // AVX512-BF16: both products by vdpbf16ps (prefill_bf16_tiles.h: 4,096-token prefill of the built-in model,
-// attention 3.78 -> 2.34 s against widening to fp32), the probabilities rounded to bf16 before P.V as torch's
-// flash kernel rounds them; without it, q, keys and values widened to fp32 (exactly) and the fp32 path above.
+// attention 3.78 -> 2.34 s against widening to fp32), and the AMX kernel's softmax row (exps by a polynomial within
+// 4e-5, probabilities rounded to bf16 before P.V as torch's flash kernel rounds them); without it, q, keys and values widened to fp32 (exactly) and the fp32 path above.
 // The output is rounded to bf16 once. tests/test_cpu_prefill_attention.py compares both with exact attention.
 #include <torch/extension.h>
 
@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -182,6 +183,7 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   T* o_raw = out.data_ptr<T>();
   const int64_t q_stride = q.stride(0), qblocks = (q_len + kQBlock - 1) / kQBlock;
   const float scale_f = static_cast<float>(scale);
+  const float log2_scale = static_cast<float>(scale * 1.4426950408889634);  // bf16: scores in log2 units, exp2
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Work items: (KV head, query block), handed out one at a time, latest query blocks first (they see the most
@@ -225,14 +227,19 @@ at::Tensor prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
         const bool masked = k0 + n - 1 > offset + q0;  // some key here is after some query's position
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t visible = masked ? std::min<int64_t>(n, offset + q0 + r % nq - k0 + 1) : n;
-          float block_sum;
-          const float row_max = softmax_row(&scores[r * kKBlock], n, visible, scale_f, mx[r], &block_sum);
-          const float correction = poly_exp(mx[r] - row_max);  // 0 on the first tile (mx = -inf)
+          float block_sum, correction, row_max;
+          if constexpr (bf16) {  // maxima in log2 units, probabilities straight to bf16
+            row_max = prefill_bf16::softmax_row(&scores[r * kKBlock], n, visible, log2_scale, mx[r],
+                                                &pbits[r * kKBlock], &block_sum);
+            correction = std::exp2(mx[r] - row_max);  // 0 on the first tile (mx = -inf)
+          } else {
+            row_max = softmax_row(&scores[r * kKBlock], n, visible, scale_f, mx[r], &block_sum);
+            correction = poly_exp(mx[r] - row_max);
+          }
           sum[r] = sum[r] * correction + block_sum;
           mx[r] = row_max;
           if (correction != 1.0f)
             for (int64_t c = 0; c < d; ++c) acc[r * d + c] *= correction;
-          if constexpr (bf16) prefill_bf16::round_probabilities(&scores[r * kKBlock], n, &pbits[r * kKBlock]);
         }
         if constexpr (bf16) prefill_bf16::value_rows(rows, pbits.data(), kKBlock, tile_v, d, n, acc.data());
         if constexpr (!bf16)
