@@ -344,10 +344,16 @@ void write_kv(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tenso
 // at 11-14 GB/s. Farther L2 distances (32, 64 blocks) measured slower.
 constexpr int64_t kL1Ahead = 2, kL2Ahead = 16;
 
+// The first row of the blk-th block of one KV head's rows (head: the head's row 0 in the cache).
+template <typename R>
+inline const R* block_rows(const R* head, const int32_t* table, int64_t blk, int64_t block_size, int64_t d) {
+  return head + static_cast<int64_t>(table[blk]) * block_size * d;
+}
+
 // Locality 3: into L1; 2: into L2.
 template <int Locality, typename R>
 inline void prefetch_block(const R* head, const int32_t* table, int64_t blk, int64_t block_size, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(head + static_cast<int64_t>(table[blk]) * block_size * d);
+  const char* p = reinterpret_cast<const char*>(block_rows(head, table, blk, block_size, d));
   const int64_t bytes = block_size * d * sizeof(R);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, Locality);
 }
@@ -379,7 +385,7 @@ inline void for_each_block(const R* head, const int32_t* table, int64_t block_si
     if (blk + kL2Ahead < end) prefetch_block<2>(head, table, blk + kL2Ahead, block_size, d);
     if (blk + kL1Ahead < end) prefetch_block<3>(head, table, blk + kL1Ahead, block_size, d);
     const int64_t start = blk * block_size, lo = std::max(first, start), hi = std::min(last, start + block_size);
-    fn(lo, head + (static_cast<int64_t>(table[blk]) * block_size + lo - start) * d, hi - lo);
+    fn(lo, block_rows(head, table, blk, block_size, d) + (lo - start) * d, hi - lo);
   }
 }
 
