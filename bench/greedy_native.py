@@ -7,8 +7,8 @@ The parity check behind the CPU-speed work: the same prompt through the engine t
 providers (C++ attention and linear) and once with `--ops attention=native,linear=native`, prefix caching off.
 Prints whether the greedy tokens are equal and, at a first divergence, the native run's top log-probabilities
 there (the margin that a difference in summation order flipped), and says so where the two tokens' native
-log-probabilities are exactly equal: bf16 logits tie often among the top tokens (a step of 2^-6 at a magnitude of
-4), and at a tie either token is a greedy choice. --seed picks another random prompt.
+log-probabilities are exactly equal: bf16 logits keep 8 significant bits, so the top tokens' logits tie
+often, and at a tie either token is a greedy choice. --seed picks another random prompt.
 """
 from __future__ import annotations
 

@@ -149,7 +149,8 @@ at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cac
           float* s = &scores[r * kKBlock];
           const int64_t visible = masked ? std::min<int64_t>(n, offset + q0 + r % nq - k0 + 1) : n;
           float block_sum;
-          const float row_max = prefill_bf16::softmax_row(s, n, visible, log2_scale, mx[r], &pbuf[r * kKBlock], &block_sum);
+          const float row_max =
+              prefill_bf16::softmax_row(s, n, visible, log2_scale, mx[r], &pbuf[r * kKBlock], &block_sum);
           const float correction = std::exp2(mx[r] - row_max);  // maxima in log2 units
           sum[r] = sum[r] * correction + block_sum;
           mx[r] = row_max;
