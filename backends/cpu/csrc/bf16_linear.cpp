@@ -60,7 +60,9 @@ at::Tensor bf16_panel_linear(const at::Tensor& x, const at::Tensor& panels, int6
       const int64_t i = item / count * kRowsPerPass, q = item % count;
       const int valid = static_cast<int>(std::min(width, n - q * width));
       resin_panels::panel_rows<kVectors, kRowsPerTile>(wp + q * (k / 2) * width, std::min(kRowsPerPass, m - i), k,
-                                                       xp + i * k, bp, q * width, valid, op + i * n, n);
+                                                       xp + i * k, bp, q * width, valid, op + i * n, n,
+                                                       item + 1 < end && q + 1 < count ? wp + (q + 1) * (k / 2) * width
+                                                                                        : nullptr);
     }
   });
   return out;
