@@ -21,7 +21,7 @@ namespace resin_panels {
 
 // acc[v][t] lane j = x[t] . (output row 16 v + j of the panel) for MR activation rows x[t] = x + t * ldx, over
 // k inputs (k / 2 pairs; stride: words from one pair of the panel to the next, 16 NV for a whole panel). With pf,
-// it also prefetches the pf_lines cache lines from pf into L1, one a pair (panel_rows says why).
+// it also prefetches cache lines from pf on, one a pair, up to pf_lines of them (panel_rows says why).
 template <int NV, int MR>
 inline void dot_pairs(const uint32_t* panel, int64_t stride, int64_t k, const uint16_t* x, int64_t ldx,
                       __m512 (&acc)[NV][MR], const char* pf = nullptr, int64_t pf_lines = 0) {
@@ -74,10 +74,12 @@ inline void tile_upto(int mr, const uint32_t* panel, int64_t k, const uint16_t* 
 //
 // next: the panel this thread multiplies after this one (null: none, or not known). The first tile of rows reads
 // a panel from memory or L3 as it multiplies, and with 2-8 tiles that read is a large share of the call: so the
-// tiles after the first prefetch the next panel into L1, one line a pair (the rest of a 2-tile call's panel is
-// left to the hardware). 2-core Zen 4, every projection of the built-in model's 30 layers in bf16, weights from
-// memory, A/B in one process: 16 rows +4-6%, 32 rows +5-10%, 64 rows +4-8%, 256 rows even. A prefetch to L2
-// only (_MM_HINT_T1) gained nothing; spreading three lines a pair over a 2-tile call's second tile lost 7-15%.
+// tiles after the first prefetch the next panel, one line a pair (the rest of a 2-tile call's panel is left to
+// the hardware). The hint is T0, though a panel (55-147 KiB here) is larger than L1: by the time a line is used
+// it may have moved on to L2 (not measured; T1, straight to L2, measured no gain). 2-core Zen 4, every
+// projection of the built-in model's 30 layers in bf16, weights from memory, old and new builds interleaved in
+// one process, 21 repetitions: 16 rows 295 -> 315 GFLOP/s, 32 rows 350 -> 362, 48 even (shorter runs: 256 and
+// 1,024 rows even). Spreading three lines a pair over a 2-tile call's second tile lost 7-15% at 16 rows.
 template <int NV, int MR>
 inline void panel_rows(const uint32_t* panel, int64_t m, int64_t k, const uint16_t* x, const float* bias, int64_t r0,
                        int valid, c10::BFloat16* out, int64_t n, const uint32_t* next = nullptr) {
