@@ -160,7 +160,7 @@ def test_gemm_path_in_tiles(monkeypatch, dtype):
 
 @pytest.mark.parametrize("amx", [False, True], ids=["panel-gemm", "amx"])
 @pytest.mark.parametrize("rows", [40, 300])
-@pytest.mark.parametrize("qtype", ["q4_1", "q6_k", INT8])
+@pytest.mark.parametrize("qtype", ["q4_0", "q4_1", "q6_k", INT8])
 def test_bf16_gemm_paths_at_batch_and_prefill_sizes(monkeypatch, qtype, rows, amx):
     """bf16 batches on every path, whatever this CPU has: the panel GEMM (CPUs with AVX512-BF16 but no AMX: many
     12-row passes, a partial last panel, 70 = 2 x 32 + 6 rows; tiles where the CPU lacks AVX512-BF16 too) and, as

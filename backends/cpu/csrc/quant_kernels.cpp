@@ -566,6 +566,30 @@ inline void transpose16(__m512i r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
+// A Q4_0 / Q4_1 row of k weights straight to bf16 (times s, rounded once): each block's 16 possible values
+// computed as its dequantiser computes them (d (q - 8), or d q + m by one fma), scaled and rounded into a table,
+// then its 32 quants looked up by one vpermw. The same bits as dequantising every weight and rounding it, with
+// half the arithmetic and no fp32 copy of the row (2-core Zen 4, the built-in model's 30 layers of projections at
+// 32 rows, random blocks, one process: Q4_1 25.1 -> 24.2 ms a pass, Q4_0 25.1 -> 23.3).
+template <class F>
+void lookup_row(const uint8_t* row, int64_t k, __m512 s, uint16_t* dst) {
+  constexpr int64_t kQuants = std::is_same_v<F, Q4_1> ? 4 : 2;  // bytes before a block's quants: d (and m)
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* block = row + b * F::kBytes;
+    const __m512 d = _mm512_set1_ps(f16(block));
+    const __m512 values = std::is_same_v<F, Q4_1> ? _mm512_fmadd_ps(d, iota, _mm512_set1_ps(f16(block + 2)))
+                                                  : _mm512_mul_ps(d, _mm512_sub_ps(iota, _mm512_set1_ps(8.0f)));
+    const __m512i table =
+        _mm512_castsi256_si512(reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_mul_ps(values, s))));
+    // byte i holds quant i (low nibble) and quant i + 16 (high): as words, quants 0-15 then 16-31
+    const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kQuants)));
+    const __m512i quants = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(0xF))), _mm256_srli_epi16(bytes, 4), 1);
+    _mm512_storeu_si512(dst + 32 * b, _mm512_permutexvar_epi16(quants, table));
+  }
+}
+
 // Weight rows [r0, r0 + 32) (zeros past n) -> panel[p * 32 + j] = bf16 weights 2p, 2p + 1 of row r0 + j.
 template <class F>
 void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t r0, int64_t k, const float* scales,
@@ -576,8 +600,12 @@ void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t r0, int6
       std::memset(dst, 0, k * sizeof(uint16_t));
       continue;
     }
-    dequant_row<F>(w + (r0 + j) * row_bytes, k, f);
     const __m512 s = _mm512_set1_ps(scales ? scales[r0 + j] : 1.f);
+    if constexpr (std::is_same_v<F, Q4_1> || std::is_same_v<F, Q4_0>) {
+      lookup_row<F>(w + (r0 + j) * row_bytes, k, s, dst);
+      continue;
+    }
+    dequant_row<F>(w + (r0 + j) * row_bytes, k, f);
     for (int64_t kk = 0; kk < k; kk += 32) {
       const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(f + kk), s);
       const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(f + kk + 16), s);
